@@ -1,0 +1,631 @@
+//! The per-rank progress engine, written as a state machine without I/O.
+//!
+//! The engine takes events (a request from the rank's compute side, a message from a peer, a
+//! lost peer, the passing of time) and answers with [`Action`]s (messages to send, requests to
+//! complete). Two executors drive it: the threaded executor (one engine thread per rank over a
+//! real transport) and the virtual-time executor (all engines in one thread, deterministic,
+//! also used by the simulator). Everything the paper's wait-avoiding group allreduce needs lives
+//! here: activation along binomial trees, in-order rounds consumed once, passive contributions
+//! of the published model, results kept until read, global sync rounds, timeouts.
+
+mod passive;
+mod run;
+mod stream;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Op};
+use crate::payload::Payload;
+use crate::schedule::{AlgorithmChoice, Schedule};
+use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+
+const CONTROL_BYE: u16 = 0;
+const CONTROL_ABORT: u16 = 1;
+use crate::Rank;
+
+pub use stream::{ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger};
+
+use passive::Passive;
+use run::{Owner, Running};
+use stream::Stream;
+
+/// Time since the start of the job (wall-clock or virtual).
+pub type Time = Duration;
+
+/// Identifies a request of the compute side.
+pub type ReqId = u64;
+
+/// Settings of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// End-to-end limit for any one operation.
+    #[serde(with = "crate::util::serde_secs")]
+    pub timeout: Duration,
+    /// Allreduce algorithm selection.
+    pub algorithm: AlgorithmChoice,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            timeout: Duration::from_secs(60),
+            algorithm: AlgorithmChoice::default(),
+        }
+    }
+}
+
+/// What the compute side asks of its engine.
+#[derive(Debug)]
+pub enum Request {
+    /// Open the wait-avoiding stream (every rank opens it with the same configuration).
+    OpenStream(Box<StreamConfig>),
+    /// Arrive at round `round` of the stream with a new contribution embodying `steps` local
+    /// steps; answered with the round's (or a later round's) result.
+    Arrive {
+        /// Round (iteration) number.
+        round: u64,
+        /// The new published model (or gradient, in accumulate mode).
+        data: Payload,
+        /// Local steps embodied.
+        steps: u64,
+    },
+    /// Run a schedule now (a blocking collective).
+    Run {
+        /// Message namespace.
+        kind: Kind,
+        /// Sequence number shared by all participants.
+        seq: u64,
+        /// This rank's program.
+        schedule: Schedule,
+        /// Working buffer.
+        data: Payload,
+        /// Push-sum weight travelling with the data.
+        weight: f64,
+        /// Local steps embodied in `data`.
+        steps: u64,
+    },
+    /// Become a passive AD-PSGD rank whose engine answers pairwise averaging requests.
+    OpenPassive {
+        /// The initial model.
+        initial: Payload,
+    },
+    /// As a passive rank, publish the model after a local step; answered with the sum of the
+    /// corrections the engine applied since the last publish.
+    PassivePublish {
+        /// Model after the local step.
+        data: Payload,
+    },
+    /// Read the engine's counters.
+    Stats,
+}
+
+/// The engine's answer to a request.
+#[derive(Debug)]
+pub enum Response {
+    /// Nothing to return.
+    Done,
+    /// A round of the stream.
+    Round(RoundResult),
+    /// Result of a schedule.
+    Data {
+        /// The working buffer after the schedule.
+        data: Payload,
+        /// Push-sum weight after the schedule.
+        weight: f64,
+        /// Contributions folded into `data`, sorted by rank.
+        contributions: Vec<Contribution>,
+    },
+    /// Corrections applied by a passive engine since the last publish.
+    Delta(Payload),
+    /// Counters.
+    Stats(EngineStats),
+}
+
+/// What the engine wants done.
+#[derive(Debug)]
+pub enum Action {
+    /// Send a message.
+    Send {
+        /// Destination rank.
+        to: Rank,
+        /// The message.
+        env: Envelope,
+    },
+    /// Complete a request.
+    Complete {
+        /// The request.
+        id: ReqId,
+        /// Its outcome.
+        result: Result<Response, Error>,
+    },
+}
+
+/// Counters of one engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    /// Messages sent.
+    pub messages_sent: u64,
+    /// Payload bytes sent.
+    pub bytes_sent: u64,
+    /// Messages received.
+    pub messages_received: u64,
+    /// Payload bytes received.
+    pub bytes_received: u64,
+    /// Activation messages sent (own and forwarded).
+    pub activations_sent: u64,
+    /// Group rounds executed.
+    pub rounds: u64,
+    /// Group rounds this rank executed before its compute side arrived.
+    pub passive_rounds: u64,
+    /// Global sync rounds executed.
+    pub syncs: u64,
+}
+
+/// The progress engine of one rank.
+pub struct Engine {
+    rank: Rank,
+    ranks: usize,
+    cfg: EngineConfig,
+    running: Vec<Running>,
+    unexpected: HashMap<(Tag, Rank), VecDeque<Envelope>>,
+    stream: Option<Stream>,
+    early_activations: Vec<u64>,
+    passive: Option<Passive>,
+    early_pairs: Vec<Envelope>,
+    outstanding: BTreeMap<ReqId, Op>,
+    departed: Vec<bool>,
+    failed: Option<Error>,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// The engine of `rank` among `ranks`.
+    pub fn new(rank: Rank, ranks: usize, cfg: EngineConfig) -> Engine {
+        Engine {
+            rank,
+            ranks,
+            cfg,
+            running: Vec::new(),
+            unexpected: HashMap::new(),
+            stream: None,
+            early_activations: Vec::new(),
+            passive: None,
+            early_pairs: Vec::new(),
+            outstanding: BTreeMap::new(),
+            departed: vec![false; ranks],
+            failed: None,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// This engine's rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The error that stopped this engine, if any.
+    pub fn failure(&self) -> Option<&Error> {
+        self.failed.as_ref()
+    }
+
+    /// Handles a request of the compute side.
+    pub fn on_request(&mut self, now: Time, id: ReqId, req: Request, out: &mut Vec<Action>) {
+        if let Some(err) = &self.failed {
+            out.push(Action::Complete {
+                id,
+                result: Err(stopped(self.rank, err)),
+            });
+            return;
+        }
+        let result = match req {
+            Request::OpenStream(cfg) => self.open_stream(now, *cfg, out).map(|()| Response::Done),
+            Request::Arrive { round, data, steps } => {
+                self.outstanding.insert(id, Op::Round(round));
+                if let Err(e) = self.arrive(now, id, round, data, steps, out) {
+                    self.outstanding.remove(&id);
+                    Err(e)
+                } else {
+                    self.settle(now, out);
+                    return;
+                }
+            }
+            Request::Run {
+                kind,
+                seq,
+                schedule,
+                data,
+                weight,
+                steps,
+            } => {
+                let op = Op::Collective {
+                    kind: kind.name(),
+                    seq,
+                };
+                if data.len() != schedule.len {
+                    Err(Error::Protocol {
+                        rank: self.rank,
+                        op,
+                        detail: format!(
+                            "buffer of {} elements for a schedule over {}",
+                            data.len(),
+                            schedule.len
+                        ),
+                    })
+                } else {
+                    self.outstanding.insert(id, op.clone());
+                    let contributions = vec![Contribution {
+                        rank: self.rank,
+                        steps,
+                    }];
+                    self.start(
+                        now,
+                        Owner::Request(id),
+                        op,
+                        kind,
+                        seq,
+                        schedule,
+                        data,
+                        weight,
+                        contributions,
+                    );
+                    self.settle(now, out);
+                    return;
+                }
+            }
+            Request::OpenPassive { initial } => {
+                self.passive = Some(Passive::new(initial));
+                for env in std::mem::take(&mut self.early_pairs) {
+                    self.on_pair_request(env, out);
+                }
+                Ok(Response::Done)
+            }
+            Request::PassivePublish { data } => match &mut self.passive {
+                Some(p) => Ok(Response::Delta(p.publish(data))),
+                None => Err(Error::Protocol {
+                    rank: self.rank,
+                    op: Op::Other("passive publish"),
+                    detail: "the rank is not passive (open it first)".into(),
+                }),
+            },
+            Request::Stats => Ok(Response::Stats(self.stats.clone())),
+        };
+        out.push(Action::Complete { id, result });
+    }
+
+    /// Handles a message from a peer.
+    pub fn on_message(&mut self, now: Time, env: Envelope, out: &mut Vec<Action>) {
+        if self.failed.is_some() {
+            return;
+        }
+        self.stats.messages_received += 1;
+        self.stats.bytes_received += env.data.bytes() as u64;
+        match env.tag.kind {
+            Kind::Control => self.on_control(&env, out),
+            Kind::Activation => self.on_activation(now, &env, out),
+            Kind::Pair if env.tag.step == 0 => {
+                if self.passive.is_some() {
+                    self.on_pair_request(env, out);
+                } else {
+                    self.early_pairs.push(env);
+                }
+            }
+            _ => {
+                if let Err(e) = self.deliver(env) {
+                    self.fail(e, out);
+                    return;
+                }
+            }
+        }
+        self.settle(now, out);
+    }
+
+    /// Handles the loss of a peer (broken connection, declared dead).
+    pub fn on_peer_lost(&mut self, _now: Time, peer: Rank, reason: &str, out: &mut Vec<Action>) {
+        if self.failed.is_some() {
+            return;
+        }
+        // A peer that said goodbye may close its connections; only an operation that still
+        // needs it fails (see `settle`).
+        if self.departed.get(peer).copied().unwrap_or(false)
+            && !self.running.iter().any(|r| r.waits_on(peer))
+        {
+            return;
+        }
+        let op = self
+            .running
+            .iter()
+            .find(|r| r.waits_on(peer))
+            .or(self.running.first())
+            .map(|r| r.op.clone())
+            .or_else(|| self.outstanding.values().next().cloned())
+            .unwrap_or(Op::Other("idle"));
+        self.fail(
+            Error::PeerLost {
+                rank: self.rank,
+                peer,
+                op,
+                reason: reason.to_string(),
+            },
+            out,
+        );
+    }
+
+    /// Messages telling every peer that this rank leaves: cleanly (`abort == false`, after its
+    /// last collective) or because it failed. The engine stops.
+    pub fn farewell(&mut self, abort: bool) -> Vec<(Rank, Envelope)> {
+        let step = if abort { CONTROL_ABORT } else { CONTROL_BYE };
+        let msgs = (0..self.ranks)
+            .filter(|&p| p != self.rank)
+            .map(|p| {
+                let env = Envelope {
+                    from: self.rank,
+                    tag: Tag {
+                        kind: Kind::Control,
+                        seq: 0,
+                        step,
+                    },
+                    meta: Meta::default(),
+                    data: Payload::Size(0),
+                };
+                (p, env)
+            })
+            .collect();
+        if self.failed.is_none() {
+            self.failed = Some(Error::Stopped {
+                rank: self.rank,
+                cause: None,
+            });
+        }
+        msgs
+    }
+
+    fn on_control(&mut self, env: &Envelope, out: &mut Vec<Action>) {
+        match env.tag.step {
+            CONTROL_BYE => {
+                if let Some(d) = self.departed.get_mut(env.from) {
+                    *d = true;
+                }
+            }
+            CONTROL_ABORT => {
+                let op = self
+                    .outstanding
+                    .values()
+                    .next()
+                    .cloned()
+                    .unwrap_or(Op::Other("idle"));
+                self.fail(
+                    Error::PeerLost {
+                        rank: self.rank,
+                        peer: env.from,
+                        op,
+                        reason: format!("rank {} failed and left the job", env.from),
+                    },
+                    out,
+                );
+            }
+            _ => {}
+        }
+    }
+
+    /// Checks deadlines.
+    pub fn on_tick(&mut self, now: Time, out: &mut Vec<Action>) {
+        if self.failed.is_some() {
+            return;
+        }
+        let timeout = self.cfg.timeout;
+        if let Some(r) = self
+            .running
+            .iter()
+            .find(|r| now.saturating_sub(r.started) >= timeout)
+        {
+            let err = Error::Timeout {
+                rank: self.rank,
+                op: r.op.clone(),
+                waited: now.saturating_sub(r.started),
+                missing: r.missing(),
+            };
+            self.fail(err, out);
+            return;
+        }
+        if let Some(err) = self
+            .stream
+            .as_ref()
+            .and_then(|s| s.overdue(self.rank, now, timeout))
+        {
+            self.fail(err, out);
+        }
+    }
+
+    /// The earliest time at which [`Engine::on_tick`] has something to check.
+    pub fn next_deadline(&self) -> Option<Time> {
+        if self.failed.is_some() {
+            return None;
+        }
+        let runs = self.running.iter().map(|r| r.started + self.cfg.timeout);
+        let wait = self
+            .stream
+            .as_ref()
+            .and_then(|s| s.waiting_since())
+            .map(|t| t + self.cfg.timeout);
+        runs.chain(wait).min()
+    }
+
+    /// Describes what this engine is waiting for (for deadlock reports).
+    pub fn describe_wait(&self) -> String {
+        let mut parts: Vec<String> = self
+            .running
+            .iter()
+            .map(|r| format!("{} waiting for {:?}", r.op, r.missing()))
+            .collect();
+        if let Some(s) = &self.stream
+            && let Some(w) = s.describe_wait()
+        {
+            parts.push(w);
+        }
+        if parts.is_empty() {
+            "idle".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+
+    /// Stops the engine with `err`: every outstanding and later request fails with it.
+    pub fn fail(&mut self, err: Error, out: &mut Vec<Action>) {
+        if self.failed.is_some() {
+            return;
+        }
+        tracing::warn!(rank = self.rank, error = %err, "engine stopped");
+        for (id, _) in std::mem::take(&mut self.outstanding) {
+            out.push(Action::Complete {
+                id,
+                result: Err(err.clone()),
+            });
+        }
+        self.running.clear();
+        self.failed = Some(err);
+    }
+
+    fn send(&mut self, to: Rank, env: Envelope, out: &mut Vec<Action>) {
+        self.stats.messages_sent += 1;
+        self.stats.bytes_sent += env.data.bytes() as u64;
+        out.push(Action::Send { to, env });
+    }
+
+    fn complete(&mut self, id: ReqId, result: Result<Response, Error>, out: &mut Vec<Action>) {
+        self.outstanding.remove(&id);
+        out.push(Action::Complete { id, result });
+    }
+
+    /// Matches a message to a running schedule, or keeps it for later.
+    fn deliver(&mut self, env: Envelope) -> Result<(), Error> {
+        let rank = self.rank;
+        for r in &mut self.running {
+            if r.kind == env.tag.kind && r.seq == env.tag.seq {
+                match r.accept(rank, env)? {
+                    None => return Ok(()),
+                    Some(env) => {
+                        self.keep(env);
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        self.keep(env);
+        Ok(())
+    }
+
+    fn keep(&mut self, env: Envelope) {
+        self.unexpected
+            .entry((env.tag, env.from))
+            .or_default()
+            .push_back(env);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        now: Time,
+        owner: Owner,
+        op: Op,
+        kind: Kind,
+        seq: u64,
+        schedule: Schedule,
+        data: Payload,
+        weight: f64,
+        contributions: Vec<Contribution>,
+    ) {
+        self.running.push(Running::new(
+            owner,
+            op,
+            kind,
+            seq,
+            schedule,
+            data,
+            weight,
+            contributions,
+            now,
+        ));
+    }
+
+    /// Advances every running schedule as far as it goes and finishes the completed ones;
+    /// repeats while finishing one starts another.
+    fn settle(&mut self, now: Time, out: &mut Vec<Action>) {
+        loop {
+            if self.failed.is_some() {
+                return;
+            }
+            let mut progressed = false;
+            let mut i = 0;
+            while i < self.running.len() {
+                let mut sends = Vec::new();
+                let step = {
+                    let rank = self.rank;
+                    let unexpected = &mut self.unexpected;
+                    self.running[i].advance(rank, unexpected, &mut sends)
+                };
+                for (to, env) in sends {
+                    self.send(to, env, out);
+                }
+                match step {
+                    Err(e) => {
+                        self.fail(e, out);
+                        return;
+                    }
+                    Ok(false) => i += 1,
+                    Ok(true) => {
+                        let done = self.running.swap_remove(i);
+                        self.finish(now, done, out);
+                        progressed = true;
+                    }
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+        let departed = &self.departed;
+        if let Some((r, peer)) = self.running.iter().find_map(|r| {
+            r.missing()
+                .into_iter()
+                .find(|&p| departed.get(p).copied().unwrap_or(false))
+                .map(|p| (r, p))
+        }) {
+            let err = Error::PeerLost {
+                rank: self.rank,
+                peer,
+                op: r.op.clone(),
+                reason: "the peer has already finished and left the job".into(),
+            };
+            self.fail(err, out);
+        }
+    }
+
+    fn finish(&mut self, now: Time, done: Running, out: &mut Vec<Action>) {
+        let (owner, data, weight, contributions) = done.into_result();
+        match owner {
+            Owner::Request(id) => self.complete(
+                id,
+                Ok(Response::Data {
+                    data,
+                    weight,
+                    contributions,
+                }),
+                out,
+            ),
+            Owner::Stream(round) => self.on_round_done(now, round, data, contributions, out),
+        }
+    }
+}
+
+fn stopped(rank: Rank, err: &Error) -> Error {
+    Error::Stopped {
+        rank,
+        cause: Some(Box::new(err.clone())),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,272 @@
+//! One schedule being executed by the engine.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{ReqId, Time};
+use crate::Rank;
+use crate::error::{Error, Op};
+use crate::payload::Payload;
+use crate::schedule::{Combine, Schedule};
+use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+
+/// Who gets the result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// A request of the compute side.
+    Request(ReqId),
+    /// Round (group or sync) of the wait-avoiding stream.
+    Stream(u64),
+}
+
+/// A schedule in progress.
+pub(super) struct Running {
+    pub owner: Owner,
+    pub op: Op,
+    pub kind: Kind,
+    pub seq: u64,
+    pub started: Time,
+    schedule: Schedule,
+    phase: usize,
+    posted: bool,
+    buf: Payload,
+    weight: f64,
+    contributions: Vec<Contribution>,
+    got: Vec<Option<Envelope>>,
+}
+
+impl Running {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        owner: Owner,
+        op: Op,
+        kind: Kind,
+        seq: u64,
+        schedule: Schedule,
+        buf: Payload,
+        weight: f64,
+        contributions: Vec<Contribution>,
+        started: Time,
+    ) -> Running {
+        Running {
+            owner,
+            op,
+            kind,
+            seq,
+            started,
+            schedule,
+            phase: 0,
+            posted: false,
+            buf,
+            weight,
+            contributions,
+            got: Vec::new(),
+        }
+    }
+
+    /// Takes `env` if the current phase waits for it; hands it back otherwise.
+    pub fn accept(&mut self, rank: Rank, env: Envelope) -> Result<Option<Envelope>, Error> {
+        if !self.posted {
+            return Ok(Some(env));
+        }
+        let Some(phase) = self.schedule.phases.get(self.phase) else {
+            return Ok(Some(env));
+        };
+        let slot = phase.recvs.iter().enumerate().position(|(i, r)| {
+            r.peer == env.from && r.step == env.tag.step && self.got[i].is_none()
+        });
+        match slot {
+            None => Ok(Some(env)),
+            Some(i) => {
+                self.validate(rank, &env, phase.recvs[i].range.len())?;
+                self.got[i] = Some(env);
+                Ok(None)
+            }
+        }
+    }
+
+    fn validate(&self, rank: Rank, env: &Envelope, expect: usize) -> Result<(), Error> {
+        if env.meta.total_len != self.buf.len() as u64 {
+            return Err(Error::LengthMismatch {
+                rank,
+                op: self.op.clone(),
+                peer: env.from,
+                local: self.buf.len(),
+                remote: usize::try_from(env.meta.total_len).unwrap_or(usize::MAX),
+            });
+        }
+        if env.data.len() != expect {
+            return Err(Error::Protocol {
+                rank,
+                op: self.op.clone(),
+                detail: format!(
+                    "peer {} sent {} elements for step {}, expected {expect}",
+                    env.from,
+                    env.data.len(),
+                    env.tag.step
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs phases as far as the received messages allow; `Ok(true)` when finished.
+    pub fn advance(
+        &mut self,
+        rank: Rank,
+        unexpected: &mut HashMap<(Tag, Rank), VecDeque<Envelope>>,
+        sends: &mut Vec<(Rank, Envelope)>,
+    ) -> Result<bool, Error> {
+        loop {
+            let Some(phase) = self.schedule.phases.get(self.phase) else {
+                return Ok(true);
+            };
+            if !self.posted {
+                for s in &phase.sends {
+                    let env = Envelope {
+                        from: rank,
+                        tag: Tag {
+                            kind: self.kind,
+                            seq: self.seq,
+                            step: s.step,
+                        },
+                        meta: Meta {
+                            total_len: self.buf.len() as u64,
+                            weight: self.weight,
+                            aux: 0,
+                            contributions: self.contributions.clone(),
+                        },
+                        data: self.buf.slice(s.range.clone()),
+                    };
+                    sends.push((s.peer, env));
+                }
+                self.got = phase.recvs.iter().map(|_| None).collect();
+                self.posted = true;
+                for (i, r) in phase.recvs.iter().enumerate() {
+                    let key = (
+                        Tag {
+                            kind: self.kind,
+                            seq: self.seq,
+                            step: r.step,
+                        },
+                        r.peer,
+                    );
+                    if let Some(queue) = unexpected.get_mut(&key) {
+                        let env = queue.pop_front();
+                        if queue.is_empty() {
+                            unexpected.remove(&key);
+                        }
+                        if let Some(env) = env {
+                            self.validate(rank, &env, r.range.len())?;
+                            self.got[i] = Some(env);
+                        }
+                    }
+                }
+            }
+            if self.got.iter().any(Option::is_none) {
+                return Ok(false);
+            }
+            let combine = phase.combine;
+            let ranges: Vec<_> = phase.recvs.iter().map(|r| r.range.clone()).collect();
+            let got: Vec<Envelope> = self.got.drain(..).flatten().collect();
+            match combine {
+                Combine::Sum => self.sum(rank, ranges, got),
+                Combine::Copy => self.copy(ranges, got),
+            }
+            self.phase += 1;
+            self.posted = false;
+        }
+    }
+
+    /// Folds the received ranges and the local one in ascending rank order.
+    fn sum(&mut self, rank: Rank, ranges: Vec<std::ops::Range<usize>>, got: Vec<Envelope>) {
+        let Some(range) = ranges.first().cloned() else {
+            return;
+        };
+        let mut items: Vec<Option<Envelope>> = got.into_iter().map(Some).collect();
+        items.push(None);
+        items.sort_by_key(|e| e.as_ref().map_or(rank, |e| e.from));
+        let own = items.iter().position(Option::is_none).unwrap_or(0);
+        if own <= 1 {
+            // ((a + b) + c) == ((b + a) + c) bit for bit: the local buffer can take the first
+            // or second place without a copy.
+            for env in items.into_iter().flatten() {
+                self.buf.add_at(range.clone(), &env.data);
+                self.weight += env.meta.weight;
+                merge(&mut self.contributions, &env.meta.contributions);
+            }
+            return;
+        }
+        let mut acc: Option<(Payload, f64)> = None;
+        let mut contributions = std::mem::take(&mut self.contributions);
+        for item in items {
+            match (item, &mut acc) {
+                (Some(env), None) => {
+                    merge(&mut contributions, &env.meta.contributions);
+                    acc = Some((env.data, env.meta.weight));
+                }
+                (Some(env), Some((a, w))) => {
+                    merge(&mut contributions, &env.meta.contributions);
+                    a.add(&env.data);
+                    *w += env.meta.weight;
+                }
+                (None, Some((a, w))) => {
+                    a.add_range_of(&self.buf, range.clone());
+                    *w += self.weight;
+                }
+                (None, None) => unreachable!("the local item is at position >= 2"),
+            }
+        }
+        if let Some((a, w)) = acc {
+            self.buf.copy_at(range, &a);
+            self.weight = w;
+        }
+        self.contributions = contributions;
+    }
+
+    fn copy(&mut self, ranges: Vec<std::ops::Range<usize>>, got: Vec<Envelope>) {
+        let whole = ranges.len() == 1 && ranges[0].len() == self.buf.len();
+        for (range, env) in ranges.into_iter().zip(got) {
+            self.buf.copy_at(range, &env.data);
+            merge(&mut self.contributions, &env.meta.contributions);
+            if whole {
+                self.weight = env.meta.weight;
+            }
+        }
+    }
+
+    /// True when the current phase waits for a message from `peer`.
+    pub fn waits_on(&self, peer: Rank) -> bool {
+        self.missing().contains(&peer)
+    }
+
+    /// Peers whose messages the current phase still waits for.
+    pub fn missing(&self) -> Vec<Rank> {
+        let Some(phase) = self.schedule.phases.get(self.phase) else {
+            return Vec::new();
+        };
+        if !self.posted {
+            return Vec::new();
+        }
+        let mut v: Vec<Rank> = phase
+            .recvs
+            .iter()
+            .zip(&self.got)
+            .filter(|(_, g)| g.is_none())
+            .map(|(r, _)| r.peer)
+            .collect();
+        v.dedup();
+        v
+    }
+
+    /// The owner, buffer, weight and contributions of a finished schedule.
+    pub fn into_result(self) -> (Owner, Payload, f64, Vec<Contribution>) {
+        (self.owner, self.buf, self.weight, self.contributions)
+    }
+}
+
+/// Adds `more` to the sorted, rank-unique `into`.
+fn merge(into: &mut Vec<Contribution>, more: &[Contribution]) {
+    into.extend_from_slice(more);
+    into.sort_unstable_by_key(|c| (c.rank, std::cmp::Reverse(c.steps)));
+    into.dedup_by_key(|c| c.rank);
+}

@@ -1,0 +1,545 @@
+//! The wait-avoiding stream: externally triggered group rounds with periodic global syncs.
+//!
+//! Rules (see the crate documentation for the full semantics):
+//! * A round is activated by the first rank whose compute side arrives at it; the activation
+//!   spreads along the binomial tree rooted at that rank. Every activation message received is
+//!   forwarded along its own tree, so several simultaneous activators still reach every rank.
+//! * Rounds execute in order at every rank, each at most once. An activated engine runs the
+//!   allreduce of its group at once with the published contribution; a rank whose compute side
+//!   has not arrived is a passive participant.
+//! * Each contribution carries the number of local steps it embodies, so every result says who
+//!   was fresh and how stale the others were.
+//! * Results are kept until the compute side has read them (`ReadMode`).
+//! * Rounds `t` with `(t + 1) mod tau == 0` are blocking global syncs: they run only when the
+//!   compute side arrives, and finish only when every rank has contributed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Action, Engine, Owner, ReqId, Response, Time};
+use crate::Rank;
+use crate::error::{ConfigError, Error, Op};
+use crate::payload::Payload;
+use crate::schedule::allreduce;
+use crate::topology::{Grouping, GroupingKind, tree_children};
+use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+
+/// Who may start a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum Trigger {
+    /// The first rank to arrive (WAGMA, eager-SGD solo).
+    Solo,
+    /// Only the round's initiator, drawn from a seed shared by all ranks (eager-SGD majority).
+    Majority {
+        /// Shared seed.
+        seed: u64,
+    },
+    /// Nobody: each member runs the round when it arrives (a plain blocking group allreduce).
+    Lockstep,
+}
+
+/// What a rank contributes and what happens to its contribution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContributionMode {
+    /// The last published model; it stays published until replaced (WAGMA).
+    Model,
+    /// The sum of the gradients published since the last round that consumed them (eager-SGD):
+    /// a late gradient is contributed to a later round, never dropped.
+    Accumulate,
+}
+
+/// Which result a compute side gets when it arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReadMode {
+    /// The most recent completed round at or after the requested one (WAGMA).
+    Latest,
+    /// Exactly the requested round: every rank applies every round once (eager-SGD), so the
+    /// replicas never diverge.
+    Exact,
+}
+
+/// Configuration of the wait-avoiding stream; identical on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamConfig {
+    /// Largest group size S (P for a global partial allreduce).
+    pub group_size: usize,
+    /// How groups are formed each round.
+    pub grouping: GroupingKind,
+    /// Who may start a round.
+    pub trigger: Trigger,
+    /// What a rank contributes.
+    pub mode: ContributionMode,
+    /// Which result an arriving rank gets.
+    pub read: ReadMode,
+    /// tau: rounds with `(t + 1) mod tau == 0` are global syncs; `None` for never.
+    pub sync_period: Option<u64>,
+    /// The initial published model (model mode) or a zero buffer of the model's length
+    /// (accumulate mode).
+    #[serde(skip)]
+    pub initial: Payload,
+    /// Local steps embodied in `initial`.
+    pub initial_steps: u64,
+}
+
+/// Whether a round was a group round or a global sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RoundKind {
+    /// Wait-avoiding group allreduce.
+    Group,
+    /// Blocking global allreduce.
+    Sync,
+}
+
+/// A completed round.
+#[derive(Debug)]
+struct Outcome {
+    kind: RoundKind,
+    sum: Arc<Payload>,
+    members: Vec<Contribution>,
+}
+
+/// What the compute side gets when it arrives at a round.
+#[derive(Debug, Clone)]
+pub struct RoundResult {
+    /// The round the compute side arrived at.
+    pub requested: u64,
+    /// The round whose result this is (`>= requested`; later when the rank was far behind).
+    pub round: u64,
+    /// Group round or global sync.
+    pub kind: RoundKind,
+    /// Sum of the members' contributions.
+    pub sum: Arc<Payload>,
+    /// The members and the steps each contribution embodied, sorted by rank.
+    pub members: Vec<Contribution>,
+    /// This rank's contribution.
+    pub own: Contribution,
+    /// True when this rank's contribution was the one it arrived with.
+    pub fresh: bool,
+}
+
+impl RoundResult {
+    /// Staleness of each member's contribution relative to `round`.
+    pub fn staleness(&self) -> impl Iterator<Item = u64> + '_ {
+        self.members.iter().map(|c| c.staleness(self.round))
+    }
+}
+
+struct Waiter {
+    id: ReqId,
+    round: u64,
+    since: Time,
+}
+
+pub(super) struct Stream {
+    grouping: Grouping,
+    trigger: Trigger,
+    mode: ContributionMode,
+    read: ReadMode,
+    sync_period: Option<u64>,
+    published: Payload,
+    published_steps: u64,
+    next_round: u64,
+    activated: BTreeSet<u64>,
+    executing: Option<u64>,
+    results: BTreeMap<u64, Outcome>,
+    waiter: Option<Waiter>,
+}
+
+impl Stream {
+    fn is_sync(&self, round: u64) -> bool {
+        self.sync_period.is_some_and(|tau| (round + 1) % tau == 0)
+    }
+
+    fn publish(&mut self, data: Payload, steps: u64) {
+        match self.mode {
+            ContributionMode::Model => self.published = data,
+            ContributionMode::Accumulate => self.published.add(&data),
+        }
+        self.published_steps = steps;
+    }
+
+    pub fn waiting_since(&self) -> Option<Time> {
+        // Only a compute side waiting for someone else's activation can wait forever without
+        // a running schedule to time out.
+        match (&self.waiter, self.executing) {
+            (Some(w), None) if w.round >= self.next_round => Some(w.since),
+            _ => None,
+        }
+    }
+
+    pub fn overdue(&self, rank: Rank, now: Time, timeout: Duration) -> Option<Error> {
+        let since = self.waiting_since()?;
+        let w = self.waiter.as_ref()?;
+        (now.saturating_sub(since) >= timeout).then(|| Error::Timeout {
+            rank,
+            op: Op::Round(w.round),
+            waited: now.saturating_sub(since),
+            missing: self.initiator(w.round).into_iter().collect(),
+        })
+    }
+
+    fn initiator(&self, round: u64) -> Option<Rank> {
+        match self.trigger {
+            Trigger::Majority { seed } => Some(initiator(seed, round, self.grouping.ranks())),
+            _ => None,
+        }
+    }
+
+    pub fn describe_wait(&self) -> Option<String> {
+        self.waiter.as_ref().map(|w| {
+            format!(
+                "compute side waits for round {} (next to run: {}, activated: {:?})",
+                w.round, self.next_round, self.activated
+            )
+        })
+    }
+}
+
+/// The initiator of `round` under majority triggering: a hash of the shared seed and the round.
+pub fn initiator(seed: u64, round: u64, ranks: usize) -> Rank {
+    // SplitMix64 finalizer: cheap, well mixed, identical on every rank.
+    let mut z = seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z % ranks as u64) as Rank
+}
+
+impl Engine {
+    pub(super) fn open_stream(
+        &mut self,
+        now: Time,
+        cfg: StreamConfig,
+        out: &mut Vec<Action>,
+    ) -> Result<(), Error> {
+        if self.stream.is_some() {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                op: Op::Other("open stream"),
+                detail: "the stream is already open".into(),
+            });
+        }
+        if cfg.sync_period == Some(0) {
+            return Err(ConfigError::ZeroTau.into());
+        }
+        let grouping = Grouping::new(self.ranks, cfg.group_size, cfg.grouping)?;
+        let initial_len = cfg.initial.len();
+        let published = match cfg.mode {
+            ContributionMode::Model => cfg.initial,
+            ContributionMode::Accumulate => Payload::zeros_like(&cfg.initial, initial_len),
+        };
+        self.stream = Some(Stream {
+            grouping,
+            trigger: cfg.trigger,
+            mode: cfg.mode,
+            read: cfg.read,
+            sync_period: cfg.sync_period,
+            published,
+            published_steps: cfg.initial_steps,
+            next_round: 0,
+            activated: BTreeSet::new(),
+            executing: None,
+            results: BTreeMap::new(),
+            waiter: None,
+        });
+        for round in std::mem::take(&mut self.early_activations) {
+            self.activate(now, round, out);
+        }
+        Ok(())
+    }
+
+    pub(super) fn arrive(
+        &mut self,
+        now: Time,
+        id: ReqId,
+        round: u64,
+        data: Payload,
+        steps: u64,
+        out: &mut Vec<Action>,
+    ) -> Result<(), Error> {
+        let rank = self.rank;
+        let ranks = self.ranks;
+        let Some(s) = self.stream.as_mut() else {
+            return Err(Error::Protocol {
+                rank,
+                op: Op::Round(round),
+                detail: "the stream is not open".into(),
+            });
+        };
+        if s.waiter.is_some() {
+            return Err(Error::Protocol {
+                rank,
+                op: Op::Round(round),
+                detail: "a previous arrival is still waiting".into(),
+            });
+        }
+        if data.len() != s.published.len() {
+            return Err(Error::Protocol {
+                rank,
+                op: Op::Round(round),
+                detail: format!(
+                    "contribution of {} elements, the stream carries {}",
+                    data.len(),
+                    s.published.len()
+                ),
+            });
+        }
+        let done_or_running = round < s.next_round || s.executing == Some(round);
+        if !done_or_running && round > s.next_round {
+            return Err(Error::Protocol {
+                rank,
+                op: Op::Round(round),
+                detail: format!("arrived at round {round} before round {} ran", s.next_round),
+            });
+        }
+        s.publish(data, steps);
+        s.waiter = Some(Waiter {
+            id,
+            round,
+            since: now,
+        });
+        if !done_or_running {
+            if s.is_sync(round) {
+                self.start_round(now, round);
+            } else {
+                let own = match s.trigger {
+                    Trigger::Solo => true,
+                    Trigger::Majority { seed } => initiator(seed, round, ranks) == rank,
+                    Trigger::Lockstep => false,
+                };
+                if own {
+                    for e in tree_children(rank, rank, ranks, None) {
+                        self.send_activation(round, rank, e.rank, e.dim, out);
+                    }
+                }
+                let s = self.stream.as_mut().expect("checked above");
+                if own || s.trigger == Trigger::Lockstep {
+                    s.activated.insert(round);
+                }
+                self.try_start(now);
+            }
+        }
+        self.try_deliver(out);
+        Ok(())
+    }
+
+    fn send_activation(
+        &mut self,
+        round: u64,
+        root: Rank,
+        to: Rank,
+        dim: u32,
+        out: &mut Vec<Action>,
+    ) {
+        self.stats.activations_sent += 1;
+        let env = Envelope {
+            from: self.rank,
+            tag: Tag {
+                kind: Kind::Activation,
+                seq: round,
+                step: dim as u16,
+            },
+            meta: Meta {
+                aux: root as u64,
+                ..Meta::default()
+            },
+            data: Payload::Size(0),
+        };
+        self.send(to, env, out);
+    }
+
+    pub(super) fn on_activation(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
+        let root = env.meta.aux as Rank;
+        if root >= self.ranks {
+            let err = Error::Protocol {
+                rank: self.rank,
+                op: Op::Round(env.tag.seq),
+                detail: format!("activation from peer {} names root {root}", env.from),
+            };
+            self.fail(err, out);
+            return;
+        }
+        for e in tree_children(root, self.rank, self.ranks, Some(u32::from(env.tag.step))) {
+            self.send_activation(env.tag.seq, root, e.rank, e.dim, out);
+        }
+        self.activate(now, env.tag.seq, out);
+    }
+
+    fn activate(&mut self, now: Time, round: u64, out: &mut Vec<Action>) {
+        let Some(s) = self.stream.as_mut() else {
+            self.early_activations.push(round);
+            return;
+        };
+        if round < s.next_round || s.executing == Some(round) || s.is_sync(round) {
+            return;
+        }
+        s.activated.insert(round);
+        self.try_start(now);
+        self.try_deliver(out);
+    }
+
+    /// Starts the next round if it is activated and nothing runs.
+    fn try_start(&mut self, now: Time) {
+        let Some(s) = self.stream.as_ref() else {
+            return;
+        };
+        if s.executing.is_none() && s.activated.contains(&s.next_round) && !s.is_sync(s.next_round)
+        {
+            let r = s.next_round;
+            self.start_round(now, r);
+        }
+    }
+
+    fn start_round(&mut self, now: Time, round: u64) {
+        let rank = self.rank;
+        let ranks = self.ranks;
+        let algorithm = self.cfg.algorithm;
+        let Some(s) = self.stream.as_mut() else {
+            return;
+        };
+        s.activated.remove(&round);
+        s.executing = Some(round);
+        let sync = s.is_sync(round);
+        let members: Vec<Rank> = if sync {
+            (0..ranks).collect()
+        } else {
+            s.grouping.group_of(rank, round)
+        };
+        let len = s.published.len();
+        let data = match s.mode {
+            ContributionMode::Model => s.published.clone(),
+            ContributionMode::Accumulate => {
+                let zeros = Payload::zeros_like(&s.published, len);
+                std::mem::replace(&mut s.published, zeros)
+            }
+        };
+        let arrived = s.waiter.as_ref().is_some_and(|w| w.round == round);
+        let contributions = vec![Contribution {
+            rank,
+            steps: s.published_steps,
+        }];
+        let (kind, op) = if sync {
+            (Kind::Sync, Op::Sync(round))
+        } else {
+            (Kind::Round, Op::Round(round))
+        };
+        if !sync {
+            self.stats.rounds += 1;
+            if !arrived {
+                self.stats.passive_rounds += 1;
+            }
+        } else {
+            self.stats.syncs += 1;
+        }
+        let schedule = allreduce(rank, &members, len, &algorithm);
+        self.start(
+            now,
+            Owner::Stream(round),
+            op,
+            kind,
+            round,
+            schedule,
+            data,
+            0.0,
+            contributions,
+        );
+    }
+
+    pub(super) fn on_round_done(
+        &mut self,
+        now: Time,
+        round: u64,
+        sum: Payload,
+        members: Vec<Contribution>,
+        out: &mut Vec<Action>,
+    ) {
+        let ranks = self.ranks;
+        let Some(s) = self.stream.as_mut() else {
+            return;
+        };
+        s.executing = None;
+        s.next_round = round + 1;
+        let kind = if s.is_sync(round) {
+            if s.mode == ContributionMode::Model {
+                // A passive contribution to the next rounds should be the consensus, not the
+                // model every rank has just averaged away.
+                let mut avg = sum.clone();
+                avg.scale(1.0 / ranks as f32);
+                s.published = avg;
+                s.published_steps = round + 1;
+            }
+            RoundKind::Sync
+        } else {
+            RoundKind::Group
+        };
+        s.results.insert(
+            round,
+            Outcome {
+                kind,
+                sum: Arc::new(sum),
+                members,
+            },
+        );
+        self.try_start(now);
+        self.try_deliver(out);
+    }
+
+    /// Answers the waiting compute side if its result is there.
+    fn try_deliver(&mut self, out: &mut Vec<Action>) {
+        let rank = self.rank;
+        let Some(s) = self.stream.as_mut() else {
+            return;
+        };
+        let Some(w) = s.waiter.as_ref() else {
+            return;
+        };
+        let chosen = match s.read {
+            ReadMode::Latest => s.results.range(w.round..).next_back().map(|(&r, _)| r),
+            ReadMode::Exact => s.results.contains_key(&w.round).then_some(w.round),
+        };
+        let Some(r) = chosen else {
+            return;
+        };
+        let outcome = match s.read {
+            ReadMode::Latest => {
+                // Keep the chosen result: a rank far behind may read it again next iteration.
+                s.results = s.results.split_off(&r);
+                let o = &s.results[&r];
+                Outcome {
+                    kind: o.kind,
+                    sum: Arc::clone(&o.sum),
+                    members: o.members.clone(),
+                }
+            }
+            ReadMode::Exact => match s.results.remove(&r) {
+                Some(o) => o,
+                None => return,
+            },
+        };
+        let Some(w) = s.waiter.take() else {
+            return;
+        };
+        let own = outcome
+            .members
+            .iter()
+            .find(|c| c.rank == rank)
+            .copied()
+            .unwrap_or(Contribution { rank, steps: 0 });
+        let result = RoundResult {
+            requested: w.round,
+            round: r,
+            kind: outcome.kind,
+            sum: outcome.sum,
+            fresh: own.steps == w.round + 1,
+            own,
+            members: outcome.members,
+        };
+        self.complete(w.id, Ok(Response::Round(result)), out);
+    }
+}

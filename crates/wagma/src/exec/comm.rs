@@ -1,0 +1,300 @@
+//! The compute side's handle on its rank's engine.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Pending, Port};
+use crate::Rank;
+use crate::engine::{EngineConfig, EngineStats, Request, Response, RoundResult, StreamConfig};
+use crate::error::{Error, Op};
+use crate::payload::Payload;
+use crate::schedule::{self, Schedule};
+use crate::transport::{Contribution, Kind};
+use crate::util::Histogram;
+
+/// Counters kept by the compute side.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CommStats {
+    /// Seconds the compute side spent waiting for communication.
+    pub wait_s: f64,
+    /// Seconds of emulated compute.
+    pub compute_s: f64,
+    /// Staleness (in rounds) of every contribution in the round results this rank used.
+    pub staleness: Histogram,
+    /// Round results in which this rank's own contribution was fresh.
+    pub fresh_rounds: u64,
+    /// Round results in which it was stale.
+    pub stale_rounds: u64,
+}
+
+/// The result of a neighbour exchange or push-sum step.
+#[derive(Debug, Clone)]
+pub struct Exchanged {
+    /// Sum (in rank order) of the local buffer and the received ones.
+    pub data: Payload,
+    /// Sum of the weights.
+    pub weight: f64,
+    /// Contributions folded in.
+    pub contributions: Vec<Contribution>,
+}
+
+/// A rank's handle on its progress engine: collectives, wait-avoiding rounds, emulated compute.
+pub struct Comm {
+    rank: Rank,
+    size: usize,
+    cfg: EngineConfig,
+    port: Arc<dyn Port>,
+    collective_seq: u64,
+    stats: CommStats,
+    left: bool,
+}
+
+impl Comm {
+    pub(crate) fn new(rank: Rank, size: usize, cfg: EngineConfig, port: Arc<dyn Port>) -> Comm {
+        Comm {
+            rank,
+            size,
+            cfg,
+            port,
+            collective_seq: 0,
+            stats: CommStats::default(),
+            left: false,
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Number of ranks P.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The engine settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Time since the job started: wall-clock, or virtual under the deterministic executor.
+    pub fn now(&self) -> Duration {
+        self.port.now()
+    }
+
+    /// The compute side's counters.
+    pub fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    /// Emulates `d` of compute: a sleep under the threaded executor, virtual time under the
+    /// deterministic one.
+    pub async fn compute(&mut self, d: Duration) {
+        self.stats.compute_s += d.as_secs_f64();
+        // A sleep cannot fail: its slot completes with `Done`.
+        let _ = self.port.sleep(d).await;
+    }
+
+    async fn call(&mut self, req: Request) -> Result<Response, Error> {
+        let t0 = self.port.now();
+        let pending: Pending = self.port.submit(req);
+        let r = pending.await;
+        self.stats.wait_s += self.port.now().saturating_sub(t0).as_secs_f64();
+        r
+    }
+
+    fn unexpected(&self, what: &'static str) -> Error {
+        Error::Protocol {
+            rank: self.rank,
+            op: Op::Other(what),
+            detail: "the engine answered with the wrong kind of response".into(),
+        }
+    }
+
+    /// Runs a schedule built by one of the [`crate::schedule`] functions.
+    pub async fn run(
+        &mut self,
+        kind: Kind,
+        seq: u64,
+        schedule: Schedule,
+        data: Payload,
+        weight: f64,
+        steps: u64,
+    ) -> Result<Exchanged, Error> {
+        match self
+            .call(Request::Run {
+                kind,
+                seq,
+                schedule,
+                data,
+                weight,
+                steps,
+            })
+            .await?
+        {
+            Response::Data {
+                data,
+                weight,
+                contributions,
+            } => Ok(Exchanged {
+                data,
+                weight,
+                contributions,
+            }),
+            _ => Err(self.unexpected("run")),
+        }
+    }
+
+    /// Blocking sum over all ranks. Every rank must call it the same number of times.
+    pub async fn allreduce(&mut self, data: Payload) -> Result<Payload, Error> {
+        let members: Vec<Rank> = (0..self.size).collect();
+        let seq = self.collective_seq;
+        self.collective_seq += 1;
+        self.allreduce_in(&members, seq, data, 0)
+            .await
+            .map(|e| e.data)
+    }
+
+    /// Blocking sum over `members` (sorted, containing this rank), identified by `seq`.
+    pub async fn allreduce_in(
+        &mut self,
+        members: &[Rank],
+        seq: u64,
+        data: Payload,
+        steps: u64,
+    ) -> Result<Exchanged, Error> {
+        if members.binary_search(&self.rank).is_err() {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                op: Op::Collective {
+                    kind: "allreduce",
+                    seq,
+                },
+                detail: format!("rank is not a member of {members:?}"),
+            });
+        }
+        let schedule = schedule::allreduce(self.rank, members, data.len(), &self.cfg.algorithm);
+        self.run(Kind::Collective, seq, schedule, data, 0.0, steps)
+            .await
+    }
+
+    /// Waits until every rank has called `barrier` as often.
+    pub async fn barrier(&mut self) -> Result<(), Error> {
+        self.allreduce(Payload::Data(Vec::new())).await.map(|_| ())
+    }
+
+    /// Sends the buffer to `send_to`, sums what `recv_from` send (in rank order, with the local
+    /// buffer and weights). `seq` must be the same at both ends (the iteration).
+    pub async fn exchange(
+        &mut self,
+        seq: u64,
+        send_to: &[Rank],
+        recv_from: &[Rank],
+        data: Payload,
+        weight: f64,
+        steps: u64,
+    ) -> Result<Exchanged, Error> {
+        let schedule = schedule::exchange(send_to, recv_from, data.len());
+        self.run(Kind::Exchange, seq, schedule, data, weight, steps)
+            .await
+    }
+
+    /// Opens the wait-avoiding stream.
+    pub async fn open_stream(&mut self, cfg: StreamConfig) -> Result<(), Error> {
+        match self.call(Request::OpenStream(Box::new(cfg))).await? {
+            Response::Done => Ok(()),
+            _ => Err(self.unexpected("open stream")),
+        }
+    }
+
+    /// Arrives at round `round` of the stream with a contribution embodying `steps` local
+    /// steps; returns the round's result (or a later one's when this rank was far behind).
+    pub async fn arrive(
+        &mut self,
+        round: u64,
+        data: Payload,
+        steps: u64,
+    ) -> Result<RoundResult, Error> {
+        match self.call(Request::Arrive { round, data, steps }).await? {
+            Response::Round(r) => {
+                for s in r.staleness() {
+                    self.stats.staleness.record(s);
+                }
+                if r.fresh {
+                    self.stats.fresh_rounds += 1;
+                } else {
+                    self.stats.stale_rounds += 1;
+                }
+                Ok(r)
+            }
+            _ => Err(self.unexpected("arrive")),
+        }
+    }
+
+    /// Makes this rank a passive AD-PSGD rank starting from `initial`.
+    pub async fn open_passive(&mut self, initial: Payload) -> Result<(), Error> {
+        match self.call(Request::OpenPassive { initial }).await? {
+            Response::Done => Ok(()),
+            _ => Err(self.unexpected("open passive")),
+        }
+    }
+
+    /// As a passive rank, publishes the model after a local step; returns the corrections the
+    /// engine made meanwhile (add them to the model).
+    pub async fn passive_publish(&mut self, data: Payload) -> Result<Payload, Error> {
+        match self.call(Request::PassivePublish { data }).await? {
+            Response::Delta(d) => Ok(d),
+            _ => Err(self.unexpected("passive publish")),
+        }
+    }
+
+    /// As an active rank, averages the model with passive rank `peer`; returns the average.
+    pub async fn pair_average(
+        &mut self,
+        peer: Rank,
+        seq: u64,
+        data: Payload,
+        steps: u64,
+    ) -> Result<Payload, Error> {
+        let schedule = schedule::pair_request(peer, data.len());
+        self.run(Kind::Pair, seq, schedule, data, 0.0, steps)
+            .await
+            .map(|e| e.data)
+    }
+
+    /// The engine's counters.
+    pub async fn engine_stats(&mut self) -> Result<EngineStats, Error> {
+        match self.port.submit(Request::Stats).await? {
+            Response::Stats(s) => Ok(s),
+            _ => Err(self.unexpected("stats")),
+        }
+    }
+
+    /// Leaves the job cleanly after a barrier, so that no peer still needs this rank.
+    pub async fn finish(mut self) -> Result<CommStats, Error> {
+        let r = self.barrier().await;
+        self.left = true;
+        self.port.leave(r.is_err());
+        r.map(|()| self.stats.clone())
+    }
+
+    /// Leaves the job at once, telling the peers that this rank failed.
+    pub fn abort(mut self) {
+        self.left = true;
+        self.port.leave(true);
+    }
+
+    pub(crate) fn mark_left(&mut self) {
+        self.left = true;
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if !self.left {
+            self.port.leave(true);
+        }
+    }
+}

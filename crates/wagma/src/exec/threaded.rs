@@ -1,0 +1,272 @@
+//! The threaded executor: each rank has a compute thread (the training loop) and an engine
+//! thread that runs the engine over a transport, answering peers while the compute thread works.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, select, unbounded};
+
+use super::{Comm, JobResult, Pending, Port, Slot, block_on};
+use crate::Rank;
+use crate::engine::{Action, Engine, EngineConfig, ReqId, Request, Response};
+use crate::error::Error;
+use crate::transport::{Incoming, Transport, mem};
+
+/// How long an idle engine thread sleeps between checks when nothing has a deadline.
+const IDLE: Duration = Duration::from_millis(200);
+
+enum Cmd {
+    Request(Request, Arc<Slot>),
+    Leave { abort: bool },
+}
+
+struct ThreadedPort {
+    tx: Sender<Cmd>,
+    start: Instant,
+    rank: Rank,
+}
+
+impl Port for ThreadedPort {
+    fn submit(&self, req: Request) -> Pending {
+        let slot = Slot::new();
+        if self.tx.send(Cmd::Request(req, Arc::clone(&slot))).is_err() {
+            slot.complete(Err(Error::Stopped {
+                rank: self.rank,
+                cause: None,
+            }));
+        }
+        Pending::new(slot)
+    }
+
+    fn now(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    fn sleep(&self, d: Duration) -> Pending {
+        std::thread::sleep(d);
+        Pending::new(Slot::ready(Ok(Response::Done)))
+    }
+
+    fn leave(&self, abort: bool) {
+        let _ = self.tx.send(Cmd::Leave { abort });
+    }
+}
+
+/// Starts the engine thread of `rank` over `transport`; returns the rank's [`Comm`] and the
+/// thread's handle (it ends when the `Comm` finishes, aborts or is dropped).
+pub fn spawn(
+    rank: Rank,
+    ranks: usize,
+    cfg: EngineConfig,
+    transport: Box<dyn Transport>,
+    inbox: Receiver<Incoming>,
+    start: Instant,
+) -> (Comm, JoinHandle<()>) {
+    let (tx, rx) = unbounded();
+    let engine = Engine::new(rank, ranks, cfg);
+    let handle = std::thread::Builder::new()
+        .name(format!("wagma-engine-{rank}"))
+        .spawn(move || engine_loop(engine, transport, rx, inbox, start))
+        .unwrap_or_else(|e| panic!("cannot start the engine thread of rank {rank}: {e}"));
+    let port = ThreadedPort { tx, start, rank };
+    (Comm::new(rank, ranks, cfg, Arc::new(port)), handle)
+}
+
+fn engine_loop(
+    mut engine: Engine,
+    mut transport: Box<dyn Transport>,
+    cmds: Receiver<Cmd>,
+    inbox: Receiver<Incoming>,
+    start: Instant,
+) {
+    let mut slots: HashMap<ReqId, Arc<Slot>> = HashMap::new();
+    let mut next_id: ReqId = 0;
+    let mut out = Vec::new();
+    let never = crossbeam_channel::never();
+    let mut inbox_open = true;
+    loop {
+        let now = start.elapsed();
+        let mut wait = engine
+            .next_deadline()
+            .map_or(IDLE, |d| d.saturating_sub(now));
+        if let Some(p) = transport.poll_interval() {
+            wait = wait.min(p);
+        }
+        let inbox_ref = if inbox_open { &inbox } else { &never };
+        select! {
+            recv(cmds) -> cmd => match cmd {
+                Ok(Cmd::Request(req, slot)) => {
+                    let id = next_id;
+                    next_id += 1;
+                    slots.insert(id, slot);
+                    engine.on_request(start.elapsed(), id, req, &mut out);
+                }
+                Ok(Cmd::Leave { abort }) => {
+                    leave(&mut engine, transport.as_mut(), abort, &mut slots);
+                    return;
+                }
+                Err(_) => {
+                    leave(&mut engine, transport.as_mut(), true, &mut slots);
+                    return;
+                }
+            },
+            recv(inbox_ref) -> msg => match msg {
+                Ok(Ok(env)) => engine.on_message(start.elapsed(), env, &mut out),
+                Ok(Err(lost)) => engine.on_peer_lost(start.elapsed(), lost.peer, &lost.reason, &mut out),
+                Err(_) => inbox_open = false,
+            },
+            default(wait) => {}
+        }
+        if let Err(e) = transport.poll() {
+            let err = Error::Transport {
+                rank: engine.rank(),
+                source: e,
+            };
+            engine.fail(err, &mut out);
+        }
+        engine.on_tick(start.elapsed(), &mut out);
+        perform(&mut engine, transport.as_mut(), &mut slots, &mut out, start);
+    }
+}
+
+fn perform(
+    engine: &mut Engine,
+    transport: &mut dyn Transport,
+    slots: &mut HashMap<ReqId, Arc<Slot>>,
+    out: &mut Vec<Action>,
+    start: Instant,
+) {
+    while !out.is_empty() {
+        let actions: Vec<Action> = std::mem::take(out);
+        for a in actions {
+            match a {
+                Action::Send { to, env } => {
+                    if let Err(e) = transport.send(to, env) {
+                        engine.on_peer_lost(start.elapsed(), to, &e.to_string(), out);
+                    }
+                }
+                Action::Complete { id, result } => {
+                    if let Some(slot) = slots.remove(&id) {
+                        slot.complete(result);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn leave(
+    engine: &mut Engine,
+    transport: &mut dyn Transport,
+    abort: bool,
+    slots: &mut HashMap<ReqId, Arc<Slot>>,
+) {
+    for (to, env) in engine.farewell(abort) {
+        let _ = transport.send(to, env);
+    }
+    for (_, slot) in slots.drain() {
+        slot.complete(Err(Error::Stopped {
+            rank: engine.rank(),
+            cause: None,
+        }));
+    }
+}
+
+/// Runs `task` on `ranks` in-process ranks (a compute thread and an engine thread each, over
+/// the in-process transport). After a task succeeds its rank waits at a barrier so that no
+/// peer still needs its engine; a failing task tells its peers, which then fail too.
+pub fn run<R, F>(ranks: usize, cfg: EngineConfig, task: F) -> JobResult<R>
+where
+    F: AsyncFn(&mut Comm) -> Result<R, Error> + Sync,
+    R: Send,
+{
+    let start = Instant::now();
+    let net = mem::network(ranks);
+    let task = &task;
+    let outcomes: Vec<(Result<R, Error>, Duration)> = std::thread::scope(|s| {
+        let handles: Vec<_> = net
+            .into_iter()
+            .enumerate()
+            .map(|(rank, (transport, inbox))| {
+                std::thread::Builder::new()
+                    .name(format!("wagma-rank-{rank}"))
+                    .spawn_scoped(s, move || {
+                        let (mut comm, engine) =
+                            spawn(rank, ranks, cfg, Box::new(transport), inbox, start);
+                        let result = block_on(task(&mut comm));
+                        let at = start.elapsed();
+                        match &result {
+                            Ok(_) => {
+                                let _ = block_on(comm.finish());
+                            }
+                            Err(_) => comm.abort(),
+                        }
+                        let _ = engine.join();
+                        (result, at)
+                    })
+                    .unwrap_or_else(|e| panic!("cannot start the thread of rank {rank}: {e}"))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    (
+                        Err(Error::Task {
+                            rank,
+                            message: "the task panicked".into(),
+                        }),
+                        start.elapsed(),
+                    )
+                })
+            })
+            .collect()
+    });
+    collect(outcomes)
+}
+
+/// Orders outcomes and finds the earliest failure.
+pub(crate) fn collect<R>(outcomes: Vec<(Result<R, Error>, Duration)>) -> JobResult<R> {
+    let first_failure = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(_, (r, _))| r.is_err())
+        .min_by_key(|(i, (_, at))| (*at, root_cause_rank(&outcomes[*i].0)))
+        .map(|(i, _)| i);
+    JobResult {
+        ranks: outcomes.into_iter().map(|(r, _)| r).collect(),
+        first_failure,
+    }
+}
+
+/// Errors caused by another rank's failure sort after original ones.
+fn root_cause_rank<R>(r: &Result<R, Error>) -> u8 {
+    match r {
+        Err(Error::PeerLost { .. }) | Err(Error::Stopped { .. }) => 1,
+        _ => 0,
+    }
+}
+
+/// Joins a TCP job as described by `tcp` and starts this rank's engine thread.
+pub fn connect_tcp(
+    tcp: &crate::transport::tcp::TcpConfig,
+    cfg: EngineConfig,
+) -> Result<(Comm, JoinHandle<()>), Error> {
+    let start = Instant::now();
+    let (tx, rx) = unbounded();
+    let transport = crate::transport::tcp::connect(tcp, tx).map_err(|source| Error::Transport {
+        rank: tcp.rank,
+        source,
+    })?;
+    Ok(spawn(
+        tcp.rank,
+        tcp.world,
+        cfg,
+        Box::new(transport),
+        rx,
+        start,
+    ))
+}

@@ -1,0 +1,407 @@
+//! The virtual-time executor: every rank is a task of one single-threaded scheduler, engines
+//! exchange messages through a network model, and time only advances from event to event.
+//!
+//! With a seed it is deterministic, bit for bit: ties between simultaneous events and the
+//! order in which woken tasks run are drawn from the seed, so different seeds explore different
+//! arrival orders and the same seed replays one exactly. Compute time exists only where a task
+//! says so ([`Comm::compute`]); the real time a task spends between awaits is not counted. The
+//! simulator runs the same engines over a LogGP network model at thousands of ranks.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::threaded::collect;
+use super::{Comm, JobResult, Pending, Port, Slot};
+use crate::Rank;
+use crate::engine::{Action, Engine, EngineConfig, ReqId, Request, Response};
+use crate::error::Error;
+use crate::transport::Envelope;
+
+/// When a message sent at `now` arrives.
+pub trait NetworkModel: Send {
+    /// Arrival time of `bytes` sent from `from` to `to` at `now`. Called in send order, so a
+    /// model may keep per-link or per-node state (injection limits).
+    fn arrival(
+        &mut self,
+        now: Duration,
+        from: Rank,
+        to: Rank,
+        bytes: usize,
+        rng: &mut ChaCha8Rng,
+    ) -> Duration;
+}
+
+/// Latency plus size over bandwidth, stretched by a seeded random factor in `[1, 1 + jitter)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JitterNetwork {
+    /// Time of an empty message.
+    pub latency: Duration,
+    /// Bytes per second of one link.
+    pub bandwidth: f64,
+    /// Relative random spread of each transfer.
+    pub jitter: f64,
+}
+
+impl Default for JitterNetwork {
+    fn default() -> Self {
+        JitterNetwork {
+            latency: Duration::from_micros(5),
+            bandwidth: 5e9,
+            jitter: 0.5,
+        }
+    }
+}
+
+impl NetworkModel for JitterNetwork {
+    fn arrival(
+        &mut self,
+        now: Duration,
+        _from: Rank,
+        _to: Rank,
+        bytes: usize,
+        rng: &mut ChaCha8Rng,
+    ) -> Duration {
+        let base = self.latency.as_secs_f64() + bytes as f64 / self.bandwidth;
+        let factor = 1.0 + self.jitter * rng.random::<f64>();
+        now + Duration::from_secs_f64(base * factor)
+    }
+}
+
+/// Settings of a deterministic run.
+pub struct VirtualConfig {
+    /// Seed of every scheduling decision and of the network's randomness.
+    pub seed: u64,
+    /// The network model.
+    pub network: Box<dyn NetworkModel>,
+}
+
+impl VirtualConfig {
+    /// A seeded run over the default jitter network.
+    pub fn seeded(seed: u64) -> VirtualConfig {
+        VirtualConfig {
+            seed,
+            network: Box::new(JitterNetwork::default()),
+        }
+    }
+}
+
+enum Event {
+    Deliver { to: Rank, env: Envelope },
+    Timer { slot: Arc<Slot> },
+    Tick { rank: Rank },
+}
+
+struct Scheduled {
+    at: Duration,
+    tie: u64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.tie, self.seq) == (o.at, o.tie, o.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Scheduled {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.tie, self.seq).cmp(&(o.at, o.tie, o.seq))
+    }
+}
+
+struct Core {
+    now: Duration,
+    engines: Vec<Engine>,
+    events: BinaryHeap<Reverse<Scheduled>>,
+    seq: u64,
+    rng: ChaCha8Rng,
+    network: Box<dyn NetworkModel>,
+    slots: Vec<HashMap<ReqId, Arc<Slot>>>,
+    next_req: ReqId,
+    submitted: VecDeque<(Rank, ReqId, Request)>,
+    tick_at: Vec<Option<Duration>>,
+    /// Last arrival per link, so that one link delivers in order.
+    link_last: HashMap<(Rank, Rank), Duration>,
+}
+
+impl Core {
+    fn schedule(&mut self, at: Duration, event: Event) {
+        let tie = self.rng.random();
+        self.seq += 1;
+        self.events.push(Reverse(Scheduled {
+            at,
+            tie,
+            seq: self.seq,
+            event,
+        }));
+    }
+
+    fn apply(&mut self, rank: Rank, out: &mut Vec<Action>) {
+        for a in out.drain(..) {
+            match a {
+                Action::Send { to, env } => {
+                    let bytes = env.wire_bytes();
+                    let mut at = self
+                        .network
+                        .arrival(self.now, rank, to, bytes, &mut self.rng);
+                    let last = self.link_last.entry((rank, to)).or_default();
+                    at = at.max(*last);
+                    *last = at;
+                    self.schedule(at, Event::Deliver { to, env });
+                }
+                Action::Complete { id, result } => {
+                    if let Some(slot) = self.slots[rank].remove(&id) {
+                        slot.complete(result);
+                    }
+                }
+            }
+        }
+        let deadline = self.engines[rank].next_deadline();
+        if let Some(d) = deadline
+            && self.tick_at[rank] != Some(d)
+        {
+            self.tick_at[rank] = Some(d);
+            self.schedule(d.max(self.now), Event::Tick { rank });
+        }
+    }
+
+    fn process_submissions(&mut self) {
+        let mut out = Vec::new();
+        while let Some((rank, id, req)) = self.submitted.pop_front() {
+            let now = self.now;
+            self.engines[rank].on_request(now, id, req, &mut out);
+            self.apply(rank, &mut out);
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        let mut out = Vec::new();
+        let now = self.now;
+        match event {
+            Event::Deliver { to, env } => {
+                self.engines[to].on_message(now, env, &mut out);
+                self.apply(to, &mut out);
+            }
+            Event::Timer { slot } => slot.complete(Ok(Response::Done)),
+            Event::Tick { rank } => {
+                if self.tick_at[rank] == Some(now) {
+                    self.tick_at[rank] = None;
+                }
+                self.engines[rank].on_tick(now, &mut out);
+                self.apply(rank, &mut out);
+            }
+        }
+    }
+
+    fn abort(&mut self, rank: Rank) {
+        let msgs = self.engines[rank].farewell(true);
+        let mut out: Vec<Action> = msgs
+            .into_iter()
+            .map(|(to, env)| Action::Send { to, env })
+            .collect();
+        self.apply(rank, &mut out);
+    }
+}
+
+struct VirtualPort {
+    rank: Rank,
+    core: Arc<Mutex<Core>>,
+}
+
+fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
+    core.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Port for VirtualPort {
+    fn submit(&self, req: Request) -> Pending {
+        let mut core = lock(&self.core);
+        let id = core.next_req;
+        core.next_req += 1;
+        let slot = Slot::new();
+        core.slots[self.rank].insert(id, Arc::clone(&slot));
+        core.submitted.push_back((self.rank, id, req));
+        Pending::new(slot)
+    }
+
+    fn now(&self) -> Duration {
+        lock(&self.core).now
+    }
+
+    fn sleep(&self, d: Duration) -> Pending {
+        let mut core = lock(&self.core);
+        let slot = Slot::new();
+        let at = core.now + d;
+        core.schedule(
+            at,
+            Event::Timer {
+                slot: Arc::clone(&slot),
+            },
+        );
+        Pending::new(slot)
+    }
+
+    fn leave(&self, abort: bool) {
+        // A rank that finishes keeps its engine: peers may still need it as a passive member.
+        if abort {
+            lock(&self.core).abort(self.rank);
+        }
+    }
+}
+
+struct TaskWaker {
+    id: usize,
+    runnable: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Wake for TaskWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.runnable
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(self.id);
+    }
+}
+
+type Task<'a, R> = Pin<Box<dyn Future<Output = Result<R, Error>> + 'a>>;
+
+/// Runs `task` on `ranks` ranks in virtual time, deterministically for a given seed.
+pub fn run<R, F>(ranks: usize, cfg: EngineConfig, vcfg: VirtualConfig, task: F) -> JobResult<R>
+where
+    F: AsyncFn(&mut Comm) -> Result<R, Error>,
+{
+    let core = Arc::new(Mutex::new(Core {
+        now: Duration::ZERO,
+        engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
+        events: BinaryHeap::new(),
+        seq: 0,
+        rng: ChaCha8Rng::seed_from_u64(vcfg.seed),
+        network: vcfg.network,
+        slots: (0..ranks).map(|_| HashMap::new()).collect(),
+        next_req: 0,
+        submitted: VecDeque::new(),
+        tick_at: vec![None; ranks],
+        link_last: HashMap::new(),
+    }));
+    let mut comms: Vec<Comm> = (0..ranks)
+        .map(|rank| {
+            let port = VirtualPort {
+                rank,
+                core: Arc::clone(&core),
+            };
+            Comm::new(rank, ranks, cfg, Arc::new(port))
+        })
+        .collect();
+    let runnable = Arc::new(Mutex::new((0..ranks).collect::<Vec<_>>()));
+    let wakers: Vec<Waker> = (0..ranks)
+        .map(|id| {
+            Waker::from(Arc::new(TaskWaker {
+                id,
+                runnable: Arc::clone(&runnable),
+            }))
+        })
+        .collect();
+    let mut outcomes: Vec<Option<(Result<R, Error>, Duration)>> =
+        (0..ranks).map(|_| None).collect();
+    {
+        let task = &task;
+        let mut tasks: Vec<Option<Task<'_, R>>> = comms
+            .iter_mut()
+            .map(|c| Some(Box::pin(task(c)) as Task<'_, R>))
+            .collect();
+        let mut live = ranks;
+        while live > 0 {
+            loop {
+                let mut batch: Vec<usize> =
+                    std::mem::take(&mut *runnable.lock().unwrap_or_else(|e| e.into_inner()));
+                if batch.is_empty() {
+                    break;
+                }
+                batch.sort_unstable();
+                batch.dedup();
+                batch.shuffle(&mut lock(&core).rng);
+                for id in batch {
+                    let Some(fut) = tasks[id].as_mut() else {
+                        continue;
+                    };
+                    let poll = fut.as_mut().poll(&mut Context::from_waker(&wakers[id]));
+                    if let Poll::Ready(r) = poll {
+                        let mut c = lock(&core);
+                        if r.is_err() {
+                            c.abort(id);
+                        }
+                        outcomes[id] = Some((r, c.now));
+                        tasks[id] = None;
+                        live -= 1;
+                    }
+                    lock(&core).process_submissions();
+                }
+            }
+            if live == 0 {
+                break;
+            }
+            let next = {
+                let mut c = lock(&core);
+                c.events.pop().map(|Reverse(s)| {
+                    c.now = c.now.max(s.at);
+                    s.event
+                })
+            };
+            match next {
+                Some(event) => lock(&core).handle(event),
+                None => {
+                    let c = lock(&core);
+                    let blocked: Vec<String> = (0..ranks)
+                        .filter(|&r| tasks[r].is_some())
+                        .map(|r| format!("rank {r}: {}", c.engines[r].describe_wait()))
+                        .collect();
+                    for (r, t) in tasks.iter_mut().enumerate() {
+                        if t.take().is_some() {
+                            outcomes[r] = Some((
+                                Err(Error::Deadlock {
+                                    blocked: blocked.clone(),
+                                }),
+                                c.now,
+                            ));
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+    }
+    for c in &mut comms {
+        c.mark_left();
+    }
+    collect(
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or((
+                    Err(Error::Stopped {
+                        rank: 0,
+                        cause: None,
+                    }),
+                    Duration::ZERO,
+                ))
+            })
+            .collect(),
+    )
+}

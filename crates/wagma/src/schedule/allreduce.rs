@@ -1,0 +1,207 @@
+//! Allreduce (sum) schedules inside a group of ranks.
+
+use super::{AlgorithmChoice, AllreduceAlgorithm, Combine, Phase, Schedule, Transfer};
+use crate::Rank;
+
+/// The allreduce of a buffer of `len` elements among `members` (sorted, containing `rank`),
+/// with the algorithm `choice` resolves to. A rank outside `members` gets an empty schedule.
+pub fn allreduce(rank: Rank, members: &[Rank], len: usize, choice: &AlgorithmChoice) -> Schedule {
+    match choice.resolve(members.len(), len) {
+        AllreduceAlgorithm::RecursiveDoubling => recursive_doubling(rank, members, len),
+        _ => reduce_scatter_allgather(rank, members, len),
+    }
+}
+
+fn whole(peer: Rank, len: usize, step: u16) -> Transfer {
+    Transfer {
+        peer,
+        range: 0..len,
+        step,
+    }
+}
+
+/// Recursive doubling: with `q` the largest power of two not above the group size, the members
+/// beyond `q` first hand their buffer to a partner (step 0), the first `q` members exchange
+/// whole buffers with the member `2^k` positions away (steps 1..=log2 q), and the partners hand
+/// the result back (last step). Each rank sends `log2 q` whole buffers (plus one if folded).
+pub fn recursive_doubling(rank: Rank, members: &[Rank], len: usize) -> Schedule {
+    let Ok(idx) = members.binary_search(&rank) else {
+        return Schedule::default();
+    };
+    let n = members.len();
+    let mut phases = Vec::new();
+    if n <= 1 {
+        return Schedule { len, phases };
+    }
+    let q = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let levels = q.trailing_zeros() as u16;
+    let out_step = levels + 1;
+    if idx >= q {
+        let partner = members[idx - q];
+        phases.push(Phase {
+            sends: vec![whole(partner, len, 0)],
+            recvs: vec![],
+            combine: Combine::Copy,
+        });
+        phases.push(Phase {
+            sends: vec![],
+            recvs: vec![whole(partner, len, out_step)],
+            combine: Combine::Copy,
+        });
+        return Schedule { len, phases };
+    }
+    let extra = (idx + q < n).then(|| members[idx + q]);
+    if let Some(e) = extra {
+        phases.push(Phase {
+            sends: vec![],
+            recvs: vec![whole(e, len, 0)],
+            combine: Combine::Sum,
+        });
+    }
+    for k in 0..levels {
+        let partner = members[idx ^ (1 << k)];
+        phases.push(Phase {
+            sends: vec![whole(partner, len, k + 1)],
+            recvs: vec![whole(partner, len, k + 1)],
+            combine: Combine::Sum,
+        });
+    }
+    if let Some(e) = extra {
+        phases.push(Phase {
+            sends: vec![whole(e, len, out_step)],
+            recvs: vec![],
+            combine: Combine::Copy,
+        });
+    }
+    Schedule { len, phases }
+}
+
+/// Chunk `c` of `n` over `len` elements: `[c*len/n, (c+1)*len/n)`.
+pub(crate) fn chunk(c: usize, n: usize, len: usize) -> std::ops::Range<usize> {
+    (c * len / n)..((c + 1) * len / n)
+}
+
+/// Reduce-scatter + allgather: member `i` owns chunk `i`; every member sends each chunk to its
+/// owner (step 0), the owner sums its chunk in rank order, then sends it to every member
+/// (step 1). Each rank sends `2(S-1)` messages and `2(S-1)/S` of the buffer: bandwidth-optimal.
+pub fn reduce_scatter_allgather(rank: Rank, members: &[Rank], len: usize) -> Schedule {
+    let Ok(idx) = members.binary_search(&rank) else {
+        return Schedule::default();
+    };
+    let n = members.len();
+    if n <= 1 {
+        return Schedule {
+            len,
+            phases: Vec::new(),
+        };
+    }
+    let mine = chunk(idx, n, len);
+    // Send order starts after our own position so that owners are not all hit at once.
+    let others: Vec<usize> = (1..n).map(|k| (idx + k) % n).collect();
+    let scatter = Phase {
+        sends: others
+            .iter()
+            .map(|&j| Transfer {
+                peer: members[j],
+                range: chunk(j, n, len),
+                step: 0,
+            })
+            .collect(),
+        recvs: others
+            .iter()
+            .map(|&j| Transfer {
+                peer: members[j],
+                range: mine.clone(),
+                step: 0,
+            })
+            .collect(),
+        combine: Combine::Sum,
+    };
+    let gather = Phase {
+        sends: others
+            .iter()
+            .map(|&j| Transfer {
+                peer: members[j],
+                range: mine.clone(),
+                step: 1,
+            })
+            .collect(),
+        recvs: others
+            .iter()
+            .map(|&j| Transfer {
+                peer: members[j],
+                range: chunk(j, n, len),
+                step: 1,
+            })
+            .collect(),
+        combine: Combine::Copy,
+    };
+    Schedule {
+        len,
+        phases: vec![scatter, gather],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sends and receives must pair up exactly across the members.
+    fn check_matching(members: &[Rank], len: usize, f: fn(Rank, &[Rank], usize) -> Schedule) {
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for &r in members {
+            for p in f(r, members, len).phases {
+                for t in p.sends {
+                    sends.push((r, t.peer, t.step, t.range.len()));
+                }
+                for t in p.recvs {
+                    recvs.push((t.peer, r, t.step, t.range.len()));
+                }
+            }
+        }
+        sends.sort_unstable();
+        recvs.sort_unstable();
+        assert_eq!(sends, recvs, "members {members:?}");
+    }
+
+    #[test]
+    fn transfers_pair_up() {
+        for n in 1..20 {
+            let members: Vec<Rank> = (0..n).map(|i| 3 * i + 1).collect();
+            for len in [0, 1, 5, 64] {
+                check_matching(&members, len, recursive_doubling);
+                check_matching(&members, len, reduce_scatter_allgather);
+            }
+        }
+    }
+
+    #[test]
+    fn costs() {
+        let m: Vec<Rank> = (0..8).collect();
+        let rd = recursive_doubling(3, &m, 1000).cost();
+        assert_eq!((rd.messages, rd.bytes, rd.phases), (3, 12000, 3));
+        let rs = reduce_scatter_allgather(3, &m, 1000).cost();
+        assert_eq!(rs.messages, 14);
+        assert_eq!(rs.bytes, 4 * (1000 - 125) + 4 * 125 * 7);
+        // Folded member of a 5-group: one send in, one result back.
+        let m5: Vec<Rank> = (0..5).collect();
+        assert_eq!(recursive_doubling(4, &m5, 10).cost().messages, 1);
+        assert_eq!(recursive_doubling(0, &m5, 10).cost().messages, 3);
+        assert_eq!(recursive_doubling(9, &m5, 10), Schedule::default());
+    }
+
+    #[test]
+    fn auto_choice() {
+        let c = AlgorithmChoice::default();
+        assert_eq!(c.resolve(4, 100), AllreduceAlgorithm::RecursiveDoubling);
+        assert_eq!(
+            c.resolve(3, 100),
+            AllreduceAlgorithm::ReduceScatterAllgather
+        );
+        assert_eq!(
+            c.resolve(4, 1 << 20),
+            AllreduceAlgorithm::ReduceScatterAllgather
+        );
+    }
+}

@@ -1,0 +1,83 @@
+//! Point-to-point patterns: neighbour exchange, push-sum step, AD-PSGD's pairwise request and
+//! the activation broadcast's cost.
+
+use super::{Combine, Cost, Phase, Schedule, Transfer};
+use crate::Rank;
+use crate::topology::tree_children;
+
+/// One phase that sends the whole buffer to every rank of `send_to` and sums what arrives from
+/// every rank of `recv_from` (in rank order, with the local buffer). With `send_to == recv_from`
+/// the ring neighbours this is D-PSGD's neighbour exchange; with the out- and in-peers of the
+/// exponential graph it is SGP's push-sum step (the caller scales the buffer and its weight
+/// first).
+pub fn exchange(send_to: &[Rank], recv_from: &[Rank], len: usize) -> Schedule {
+    let t = |&peer: &Rank| Transfer {
+        peer,
+        range: 0..len,
+        step: 0,
+    };
+    let phases = if send_to.is_empty() && recv_from.is_empty() {
+        Vec::new()
+    } else {
+        vec![Phase {
+            sends: send_to.iter().map(t).collect(),
+            recvs: recv_from.iter().map(t).collect(),
+            combine: Combine::Sum,
+        }]
+    };
+    Schedule { len, phases }
+}
+
+/// The active side of an AD-PSGD pairwise averaging: send the model to `passive` (step 0) and
+/// receive the pair's average back (step 1). The passive side is answered by its engine.
+pub fn pair_request(passive: Rank, len: usize) -> Schedule {
+    Schedule {
+        len,
+        phases: vec![
+            Phase {
+                sends: vec![Transfer {
+                    peer: passive,
+                    range: 0..len,
+                    step: 0,
+                }],
+                recvs: vec![],
+                combine: Combine::Copy,
+            },
+            Phase {
+                sends: vec![],
+                recvs: vec![Transfer {
+                    peer: passive,
+                    range: 0..len,
+                    step: 1,
+                }],
+                combine: Combine::Copy,
+            },
+        ],
+    }
+}
+
+/// Messages `rank` sends to forward one activation rooted at `root` (received on dimension
+/// `received_on`, or `None` at the root). Activation messages carry no payload.
+pub fn activation_cost(root: Rank, rank: Rank, ranks: usize, received_on: Option<u32>) -> Cost {
+    Cost {
+        messages: tree_children(root, rank, ranks, received_on).len(),
+        bytes: 0,
+        phases: 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exchange_shapes() {
+        let s = exchange(&[1, 3], &[1, 3], 10);
+        assert_eq!(s.cost().messages, 2);
+        assert_eq!(s.peers(), vec![1, 3]);
+        assert!(exchange(&[], &[], 10).phases.is_empty());
+        assert_eq!(pair_request(5, 4).cost().bytes, 16);
+        assert_eq!(activation_cost(0, 0, 8, None).messages, 3);
+        assert_eq!(activation_cost(0, 4, 8, Some(2)).messages, 0);
+    }
+}

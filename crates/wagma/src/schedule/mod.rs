@@ -1,0 +1,183 @@
+//! Collectives as data: per-rank programs of tagged sends, receives and reductions, built by pure
+//! functions of (rank, members, length, algorithm). The progress engine runs them over a real
+//! transport; the virtual-time executor runs the very same programs over a network model.
+//!
+//! A [`Schedule`] is a list of [`Phase`]s executed in order. A phase posts its sends (each a
+//! copy of a range of the working buffer, taken when the phase starts), waits for all its
+//! receives, then combines them into the buffer: [`Combine::Sum`] adds the contributions of a
+//! range in ascending rank order of their senders (the local buffer included), [`Combine::Copy`]
+//! overwrites. Every transfer carries a `step` number that the two sides agree on, so a message
+//! that arrives early is matched to the right phase.
+//!
+//! Reduction order is part of the contract: every algorithm except recursive doubling computes
+//! each element as the left fold `((x_a + x_b) + x_c) + ...` over the contributors sorted by
+//! rank; recursive doubling computes a balanced tree in rank order. Two schedules with the same
+//! contributors and algorithm therefore give bit-identical results.
+
+mod allreduce;
+mod exchange;
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Rank;
+
+pub use allreduce::{allreduce, recursive_doubling, reduce_scatter_allgather};
+pub use exchange::{activation_cost, exchange, pair_request};
+
+/// A transfer of `range` of the working buffer to or from `peer`, matched by `step`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transfer {
+    /// The other rank.
+    pub peer: Rank,
+    /// Elements of the working buffer.
+    pub range: Range<usize>,
+    /// Step number both sides use to match the message.
+    pub step: u16,
+}
+
+/// How a phase folds its received ranges into the working buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Combine {
+    /// Add, in ascending rank order of the contributors (the local buffer included). All
+    /// receives of the phase cover the same range.
+    Sum,
+    /// Overwrite each received range.
+    Copy,
+}
+
+/// One phase: post the sends, wait for the receives, combine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Phase {
+    /// Sends, posted when the phase starts.
+    pub sends: Vec<Transfer>,
+    /// Receives that must all arrive before the phase completes.
+    pub recvs: Vec<Transfer>,
+    /// How the receives are folded in.
+    pub combine: Combine,
+}
+
+/// A per-rank program of phases over a working buffer of `len` elements.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Schedule {
+    /// Number of elements of the working buffer.
+    pub len: usize,
+    /// Phases, executed in order.
+    pub phases: Vec<Phase>,
+}
+
+/// What a schedule costs one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Cost {
+    /// Messages sent.
+    pub messages: usize,
+    /// Payload bytes sent (f32 elements times 4).
+    pub bytes: usize,
+    /// Phases (latency-bound steps).
+    pub phases: usize,
+}
+
+impl std::ops::Add for Cost {
+    type Output = Cost;
+    fn add(self, o: Cost) -> Cost {
+        Cost {
+            messages: self.messages + o.messages,
+            bytes: self.bytes + o.bytes,
+            phases: self.phases + o.phases,
+        }
+    }
+}
+
+impl Schedule {
+    /// Messages and bytes this rank sends, and the number of phases.
+    pub fn cost(&self) -> Cost {
+        let mut c = Cost {
+            phases: self.phases.len(),
+            ..Cost::default()
+        };
+        for p in &self.phases {
+            c.messages += p.sends.len();
+            c.bytes += p.sends.iter().map(|t| t.range.len() * 4).sum::<usize>();
+        }
+        c
+    }
+
+    /// Every peer this rank sends to or receives from.
+    pub fn peers(&self) -> Vec<Rank> {
+        let mut v: Vec<Rank> = self
+            .phases
+            .iter()
+            .flat_map(|p| p.sends.iter().chain(&p.recvs).map(|t| t.peer))
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// The algorithm of an allreduce inside a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum AllreduceAlgorithm {
+    /// Recursive doubling for small buffers on power-of-two groups, reduce-scatter + allgather
+    /// otherwise (see [`AlgorithmChoice`]).
+    #[default]
+    Auto,
+    /// Latency-optimal: log2(S) exchanges of the whole buffer (groups that are not a power of
+    /// two fold their extra members in first and out last).
+    RecursiveDoubling,
+    /// Bandwidth-optimal: each member reduces one chunk, then every chunk is gathered.
+    ReduceScatterAllgather,
+}
+
+impl std::str::FromStr for AllreduceAlgorithm {
+    type Err = crate::ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
+            "reduce-scatter-allgather" | "rsag" => Ok(Self::ReduceScatterAllgather),
+            _ => Err(crate::ConfigError::Invalid {
+                what: "allreduce algorithm",
+                detail: format!(
+                    "{s:?} (expected auto, recursive-doubling or reduce-scatter-allgather)"
+                ),
+            }),
+        }
+    }
+}
+
+/// The rule that picks an allreduce algorithm from the group and buffer size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AlgorithmChoice {
+    /// Forced algorithm, or `Auto`.
+    pub algorithm: AllreduceAlgorithm,
+    /// With `Auto`, buffers up to this many bytes use recursive doubling on power-of-two groups.
+    pub small_bytes: usize,
+}
+
+impl Default for AlgorithmChoice {
+    fn default() -> Self {
+        AlgorithmChoice {
+            algorithm: AllreduceAlgorithm::Auto,
+            small_bytes: 64 * 1024,
+        }
+    }
+}
+
+impl AlgorithmChoice {
+    /// The concrete algorithm for a group of `members` ranks and a buffer of `len` f32s.
+    pub fn resolve(&self, members: usize, len: usize) -> AllreduceAlgorithm {
+        match self.algorithm {
+            AllreduceAlgorithm::Auto => {
+                if members.is_power_of_two() && len * 4 <= self.small_bytes {
+                    AllreduceAlgorithm::RecursiveDoubling
+                } else {
+                    AllreduceAlgorithm::ReduceScatterAllgather
+                }
+            }
+            a => a,
+        }
+    }
+}

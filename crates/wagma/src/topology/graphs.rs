@@ -1,0 +1,204 @@
+//! Peer graphs of the decentralized baselines: the ring of D-PSGD, the time-varying directed
+//! exponential graph of SGP and the active/passive pairing of AD-PSGD.
+
+use crate::Rank;
+use crate::error::ConfigError;
+
+use super::grouping::ceil_log2;
+
+/// The distinct ring neighbours of `rank` (left and right), sorted; empty for P = 1 and a single
+/// neighbour for P = 2.
+pub fn ring_neighbors(rank: Rank, ranks: usize) -> Vec<Rank> {
+    if ranks <= 1 {
+        return Vec::new();
+    }
+    let left = (rank + ranks - 1) % ranks;
+    let right = (rank + 1) % ranks;
+    let mut n = vec![left, right];
+    n.sort_unstable();
+    n.dedup();
+    n
+}
+
+/// The time-varying directed exponential graph of SGP: in iteration t every rank pushes to the
+/// ranks at offsets `2^((t*n + k) mod L)`, `k < n`, where `L = ceil(log2 P)` is the number of
+/// powers of two below P. All ranks use the same offsets in an iteration, so every rank also
+/// receives from exactly n ranks.
+#[derive(Debug, Clone)]
+pub struct ExponentialGraph {
+    ranks: usize,
+    peers: usize,
+    levels: u32,
+}
+
+impl ExponentialGraph {
+    /// `peers` out-neighbours per iteration among `ranks` ranks.
+    pub fn new(ranks: usize, peers: usize) -> Result<Self, ConfigError> {
+        if ranks == 0 {
+            return Err(ConfigError::ZeroRanks);
+        }
+        let levels = if ranks > 1 { ceil_log2(ranks) } else { 0 };
+        if peers == 0 || peers >= ranks || peers > levels as usize {
+            return Err(ConfigError::TooManyPeers {
+                peers,
+                ranks,
+                max: levels as usize,
+            });
+        }
+        Ok(ExponentialGraph {
+            ranks,
+            peers,
+            levels,
+        })
+    }
+
+    /// Number of out-neighbours per iteration.
+    pub fn peers(&self) -> usize {
+        self.peers
+    }
+
+    fn offsets(&self, iteration: u64) -> impl Iterator<Item = usize> + '_ {
+        let levels = u64::from(self.levels);
+        (0..self.peers as u64)
+            .map(move |k| 1usize << ((iteration * self.peers as u64 + k) % levels))
+    }
+
+    /// Ranks `rank` pushes to in `iteration`, sorted.
+    pub fn out_peers(&self, rank: Rank, iteration: u64) -> Vec<Rank> {
+        let mut v: Vec<Rank> = self
+            .offsets(iteration)
+            .map(|o| (rank + o) % self.ranks)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Ranks that push to `rank` in `iteration`, sorted.
+    pub fn in_peers(&self, rank: Rank, iteration: u64) -> Vec<Rank> {
+        let mut v: Vec<Rank> = self
+            .offsets(iteration)
+            .map(|o| (rank + self.ranks - o) % self.ranks)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+/// Role of a rank in AD-PSGD's bipartite pairing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairRole {
+    /// Initiates an averaging with a passive peer after each local step.
+    Active,
+    /// Answers averaging requests from its engine; never initiates.
+    Passive,
+}
+
+/// AD-PSGD's pairing: even ranks are active, odd ranks passive (with an odd P the last rank is
+/// passive too). Active rank `2i` in its iteration t averages with the passive rank at index
+/// `(i + 2^(t mod L) - 1) mod Q` among the Q passive ranks: peers at changing distances, and an
+/// active rank never talks to another active one.
+#[derive(Debug, Clone)]
+pub struct Pairing {
+    ranks: usize,
+    passive: Vec<Rank>,
+    levels: u32,
+}
+
+impl Pairing {
+    /// The pairing for `ranks` ranks.
+    pub fn new(ranks: usize) -> Result<Self, ConfigError> {
+        if ranks == 0 {
+            return Err(ConfigError::ZeroRanks);
+        }
+        let passive: Vec<Rank> = (0..ranks)
+            .filter(|&r| r % 2 == 1 || (ranks % 2 == 1 && r == ranks - 1 && ranks > 1))
+            .collect();
+        let levels = ceil_log2(passive.len().max(1)) + 1;
+        Ok(Pairing {
+            ranks,
+            passive,
+            levels,
+        })
+    }
+
+    /// The role of `rank` (a single rank is passive: it has nobody to average with).
+    pub fn role(&self, rank: Rank) -> PairRole {
+        if self.ranks == 1 || self.passive.binary_search(&rank).is_ok() {
+            PairRole::Passive
+        } else {
+            PairRole::Active
+        }
+    }
+
+    /// The passive peer of active rank `rank` in its iteration `iteration`.
+    pub fn peer(&self, rank: Rank, iteration: u64) -> Option<Rank> {
+        if self.role(rank) != PairRole::Active {
+            return None;
+        }
+        let q = self.passive.len();
+        let distance = (1usize << (iteration % u64::from(self.levels))) - 1;
+        Some(self.passive[(rank / 2 + distance) % q])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring() {
+        assert_eq!(ring_neighbors(0, 1), Vec::<Rank>::new());
+        assert_eq!(ring_neighbors(0, 2), vec![1]);
+        assert_eq!(ring_neighbors(0, 3), vec![1, 2]);
+        assert_eq!(ring_neighbors(4, 8), vec![3, 5]);
+    }
+
+    #[test]
+    fn exponential_graph_is_regular() {
+        for p in 2..40 {
+            for n in 1..=ceil_log2(p) as usize {
+                if n >= p {
+                    continue;
+                }
+                let g = ExponentialGraph::new(p, n).unwrap();
+                for t in 0..10 {
+                    let mut indeg = vec![0; p];
+                    for r in 0..p {
+                        let out = g.out_peers(r, t);
+                        assert_eq!(out.len(), n, "p={p} n={n}");
+                        assert!(!out.contains(&r));
+                        for o in out {
+                            indeg[o] += 1;
+                            assert!(g.in_peers(o, t).contains(&r));
+                        }
+                    }
+                    assert!(indeg.iter().all(|&d| d == n));
+                }
+            }
+        }
+        assert!(ExponentialGraph::new(8, 8).is_err());
+        assert!(ExponentialGraph::new(8, 4).is_err());
+        assert!(ExponentialGraph::new(8, 0).is_err());
+    }
+
+    #[test]
+    fn pairing_is_bipartite() {
+        for p in 1..20 {
+            let pairing = Pairing::new(p).unwrap();
+            for r in 0..p {
+                for t in 0..12 {
+                    match pairing.peer(r, t) {
+                        Some(q) => {
+                            assert_eq!(pairing.role(r), PairRole::Active);
+                            assert_eq!(pairing.role(q), PairRole::Passive);
+                        }
+                        None => assert_eq!(pairing.role(r), PairRole::Passive),
+                    }
+                }
+            }
+        }
+        let p = Pairing::new(8).unwrap();
+        let peers: Vec<_> = (0..4).map(|t| p.peer(0, t).unwrap()).collect();
+        assert_eq!(peers, vec![1, 3, 7, 1]);
+    }
+}

@@ -1,0 +1,307 @@
+//! Length-prefixed frames for byte-stream transports.
+//!
+//! Layout (little-endian): `u32 body_len`, then the body: `u8 kind`, `u8 flags` (bit 0: virtual
+//! payload), `u16 step`, `u32 from`, `u64 seq`, `u64 total_len`, `f64 weight`, `u64 aux`,
+//! `u32 n`, `n` contributions of `u32 rank, u64 steps`, then the payload: `f32` values, or for a
+//! virtual payload a `u64` length. A body larger than the configured maximum is refused before
+//! anything is allocated, and a payload is read in bounded chunks, so garbage on a port costs
+//! no more memory than the bytes actually sent.
+
+use std::io::{Read, Write};
+
+use super::{Contribution, Envelope, Kind, Meta, Tag};
+use crate::error::TransportError;
+use crate::payload::Payload;
+
+/// Bytes of the fixed part of a body.
+pub const HEADER_BYTES: usize = 1 + 1 + 2 + 4 + 8 + 8 + 8 + 8 + 4;
+const CONTRIBUTION_BYTES: usize = 12;
+const FLAG_VIRTUAL: u8 = 1;
+/// Largest chunk read at once into a payload.
+const CHUNK: usize = 1 << 22;
+
+#[cfg(target_endian = "big")]
+compile_error!(
+    "the wire format writes f32 payloads in native order and assumes little-endian hosts"
+);
+
+/// Writes `env` as one frame; fails with `FrameTooLarge` above `max` body bytes.
+pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), TransportError> {
+    let n = env.meta.contributions.len();
+    let payload_bytes = match &env.data {
+        Payload::Data(v) => v.len() * 4,
+        Payload::Size(_) => 8,
+    };
+    let body = (HEADER_BYTES + n * CONTRIBUTION_BYTES + payload_bytes) as u64;
+    if body > max || body > u64::from(u32::MAX) {
+        return Err(TransportError::FrameTooLarge {
+            size: body,
+            max: max.min(u64::from(u32::MAX)),
+        });
+    }
+    let mut head = Vec::with_capacity(4 + HEADER_BYTES + n * CONTRIBUTION_BYTES);
+    head.extend_from_slice(&(body as u32).to_le_bytes());
+    head.push(env.tag.kind as u8);
+    head.push(if env.data.is_virtual() {
+        FLAG_VIRTUAL
+    } else {
+        0
+    });
+    head.extend_from_slice(&env.tag.step.to_le_bytes());
+    head.extend_from_slice(&(env.from as u32).to_le_bytes());
+    head.extend_from_slice(&env.tag.seq.to_le_bytes());
+    head.extend_from_slice(&env.meta.total_len.to_le_bytes());
+    head.extend_from_slice(&env.meta.weight.to_le_bytes());
+    head.extend_from_slice(&env.meta.aux.to_le_bytes());
+    head.extend_from_slice(&(n as u32).to_le_bytes());
+    for c in &env.meta.contributions {
+        head.extend_from_slice(&(c.rank as u32).to_le_bytes());
+        head.extend_from_slice(&c.steps.to_le_bytes());
+    }
+    let io = |e: std::io::Error| TransportError::io("writing a frame", &e);
+    match &env.data {
+        Payload::Data(v) => {
+            w.write_all(&head).map_err(io)?;
+            w.write_all(bytemuck::cast_slice(v)).map_err(io)?;
+        }
+        Payload::Size(len) => {
+            head.extend_from_slice(&(*len as u64).to_le_bytes());
+            w.write_all(&head).map_err(io)?;
+        }
+    }
+    w.flush().map_err(io)
+}
+
+/// Reads one frame. `Ok(None)` on a clean end of stream before a frame starts.
+pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, TransportError> {
+    let mut len = [0u8; 4];
+    match read_full(r, &mut len)? {
+        0 => return Ok(None),
+        4 => {}
+        _ => {
+            return Err(TransportError::Malformed(
+                "stream ended inside a frame length".into(),
+            ));
+        }
+    }
+    let body = u64::from(u32::from_le_bytes(len));
+    if body > max {
+        return Err(TransportError::FrameTooLarge { size: body, max });
+    }
+    let body = body as usize;
+    if body < HEADER_BYTES {
+        return Err(TransportError::Malformed(format!(
+            "frame of {body} bytes is shorter than its header"
+        )));
+    }
+    let mut h = [0u8; HEADER_BYTES];
+    exact(r, &mut h)?;
+    let mut c = Cursor(&h);
+    let code = c.u8();
+    let kind = Kind::from_code(code)
+        .ok_or_else(|| TransportError::Malformed(format!("unknown kind {code}")))?;
+    let flags = c.u8();
+    if flags & !FLAG_VIRTUAL != 0 {
+        return Err(TransportError::Malformed(format!(
+            "unknown flags {flags:#x}"
+        )));
+    }
+    let step = c.u16();
+    let from = c.u32() as usize;
+    let seq = c.u64();
+    let total_len = c.u64();
+    let weight = c.f64();
+    let aux = c.u64();
+    let n = c.u32() as usize;
+    let rest = body - HEADER_BYTES;
+    let contrib_bytes = n
+        .checked_mul(CONTRIBUTION_BYTES)
+        .filter(|&b| b <= rest)
+        .ok_or_else(|| {
+            TransportError::Malformed(format!("{n} contributions do not fit the frame"))
+        })?;
+    let mut contributions = Vec::with_capacity(n.min(1024));
+    let mut cb = [0u8; CONTRIBUTION_BYTES];
+    for _ in 0..n {
+        exact(r, &mut cb)?;
+        let mut c = Cursor(&cb);
+        contributions.push(Contribution {
+            rank: c.u32() as usize,
+            steps: c.u64(),
+        });
+    }
+    let payload_bytes = rest - contrib_bytes;
+    let data = if flags & FLAG_VIRTUAL != 0 {
+        if payload_bytes != 8 {
+            return Err(TransportError::Malformed(
+                "virtual payload without its length".into(),
+            ));
+        }
+        let mut b = [0u8; 8];
+        exact(r, &mut b)?;
+        Payload::Size(
+            usize::try_from(u64::from_le_bytes(b))
+                .map_err(|_| TransportError::Malformed("virtual length overflows".into()))?,
+        )
+    } else {
+        if payload_bytes % 4 != 0 {
+            return Err(TransportError::Malformed(format!(
+                "payload of {payload_bytes} bytes is not whole f32s"
+            )));
+        }
+        let count = payload_bytes / 4;
+        let mut v: Vec<f32> = Vec::with_capacity(count.min(CHUNK / 4));
+        while v.len() < count {
+            let at = v.len();
+            let take = (count - at).min(CHUNK / 4);
+            v.resize(at + take, 0.0);
+            exact(r, bytemuck::cast_slice_mut(&mut v[at..]))?;
+        }
+        Payload::Data(v)
+    };
+    Ok(Some(Envelope {
+        from,
+        tag: Tag { kind, seq, step },
+        meta: Meta {
+            total_len,
+            weight,
+            aux,
+            contributions,
+        },
+        data,
+    }))
+}
+
+/// Reads until `buf` is full or the stream ends; returns the bytes read.
+fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<usize, TransportError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(TransportError::io("reading a frame", &e)),
+        }
+    }
+    Ok(got)
+}
+
+fn exact<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<(), TransportError> {
+    if read_full(r, buf)? == buf.len() {
+        Ok(())
+    } else {
+        Err(TransportError::Malformed(
+            "stream ended inside a frame".into(),
+        ))
+    }
+}
+
+/// Reads fixed-size little-endian fields from a buffer whose size was checked by the caller.
+struct Cursor<'a>(&'a [u8]);
+
+impl Cursor<'_> {
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0u8; N];
+        out.copy_from_slice(&self.0[..N]);
+        self.0 = &self.0[N..];
+        out
+    }
+    fn u8(&mut self) -> u8 {
+        self.take::<1>()[0]
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes(self.take())
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.take())
+    }
+    fn f64(&mut self) -> f64 {
+        f64::from_le_bytes(self.take())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn sample(data: Payload) -> Envelope {
+        Envelope {
+            from: 3,
+            tag: Tag {
+                kind: Kind::Round,
+                seq: 77,
+                step: 2,
+            },
+            meta: Meta {
+                total_len: 9,
+                weight: 0.25,
+                aux: 5,
+                contributions: vec![
+                    Contribution { rank: 1, steps: 4 },
+                    Contribution { rank: 3, steps: 8 },
+                ],
+            },
+            data,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        for data in [
+            Payload::Data(vec![1.5, -2.0, 3.25]),
+            Payload::Size(1 << 30),
+            Payload::Data(vec![]),
+        ] {
+            let env = sample(data);
+            let mut buf = Vec::new();
+            write_frame(&mut buf, &env, 1 << 20).unwrap();
+            let back = read_frame(&mut buf.as_slice(), 1 << 20).unwrap().unwrap();
+            assert_eq!(back, env);
+        }
+        assert!(read_frame(&mut [].as_slice(), 10).unwrap().is_none());
+    }
+
+    #[test]
+    fn oversized_frames_are_refused() {
+        let env = sample(Payload::Data(vec![0.0; 100]));
+        assert!(matches!(
+            write_frame(&mut Vec::new(), &env, 100),
+            Err(TransportError::FrameTooLarge { .. })
+        ));
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &env, 1 << 20).unwrap();
+        assert!(matches!(
+            read_frame(&mut buf.as_slice(), 100),
+            Err(TransportError::FrameTooLarge { size, max: 100 }) if size > 100
+        ));
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic the decoder; they give frames or typed errors.
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut r = bytes.as_slice();
+            for _ in 0..8 {
+                match read_frame(&mut r, 1 << 16) {
+                    Ok(Some(_)) => continue,
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+
+        /// Valid frames with corrupted bytes never panic either.
+        #[test]
+        fn corrupted_frames_never_panic(pos in 0usize..200, val in any::<u8>(), len in 0usize..20) {
+            let mut buf = Vec::new();
+            write_frame(&mut buf, &sample(Payload::Data(vec![1.0; len])), 1 << 20).unwrap();
+            let i = pos % buf.len();
+            buf[i] = val;
+            let _ = read_frame(&mut buf.as_slice(), 1 << 20);
+        }
+    }
+}

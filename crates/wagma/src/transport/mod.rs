@@ -1,0 +1,46 @@
+//! Moving tagged messages between ranks.
+//!
+//! A [`Transport`] sends [`Envelope`]s to peers; what arrives is pushed by the transport (its
+//! reader threads, or its `poll` for transports that need the engine thread to make progress)
+//! into the rank's inbox as [`Incoming`] items. Implementations: [`mem`] (threads of one
+//! process, messages moved without copying) and [`tcp`] (processes on one or many hosts).
+
+pub mod frame;
+pub mod mem;
+mod message;
+pub mod tcp;
+
+use std::time::Duration;
+
+use crate::Rank;
+use crate::error::TransportError;
+
+pub use message::{Contribution, Envelope, Kind, Meta, Tag};
+
+/// A broken connection or a peer that went away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lost {
+    /// The peer.
+    pub peer: Rank,
+    /// What the transport observed.
+    pub reason: String,
+}
+
+/// What a transport delivers to a rank's inbox.
+pub type Incoming = Result<Envelope, Lost>;
+
+/// Sends tagged messages to the other ranks of a job.
+pub trait Transport: Send {
+    /// Sends `env` to rank `to`. An error means the peer is unreachable.
+    fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError>;
+
+    /// Makes progress for transports without their own threads (MPI); the default does nothing.
+    fn poll(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    /// How often [`Transport::poll`] must be called while idle; `None` when never.
+    fn poll_interval(&self) -> Option<Duration> {
+        None
+    }
+}

@@ -1,0 +1,489 @@
+//! The TCP transport: processes on one or many hosts.
+//!
+//! Start-up: rank 0 listens on the rendezvous address; every rank opens a listener for its
+//! peers, registers its address with rank 0 and receives the table of all addresses. Each pair
+//! of ranks then shares exactly one connection (the higher rank connects to the lower), reused
+//! by every group, round and collective. Every connection, the rendezvous included, starts with
+//! a mutual handshake on the job id and shared secret; a peer that fails it is refused and
+//! logged. Messages are length-prefixed frames with a checked maximum size ([`super::frame`]);
+//! a reader thread per connection feeds the rank's inbox, the engine thread writes.
+
+mod handshake;
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+pub use handshake::Credentials;
+
+use super::frame::{read_frame, write_frame};
+use super::{Envelope, Incoming, Lost, Transport};
+use crate::Rank;
+use crate::error::{ConfigError, TransportError};
+
+/// Where and how a rank joins a TCP job.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// This rank.
+    pub rank: Rank,
+    /// Number of ranks P.
+    pub world: usize,
+    /// `host:port` of rank 0's rendezvous listener.
+    pub rendezvous: String,
+    /// Address on which this rank listens for its peers (`None`: the address it uses to reach
+    /// the rendezvous, or loopback for rank 0).
+    pub bind: Option<IpAddr>,
+    /// Job id and secret.
+    pub credentials: Credentials,
+    /// Limit for the whole start-up (rendezvous and all connections).
+    pub connect_timeout: Duration,
+    /// Limit for one blocking write to a peer.
+    pub io_timeout: Duration,
+    /// Largest frame body accepted or sent.
+    pub max_frame_bytes: u64,
+}
+
+/// Environment variables read by [`TcpConfig::from_env`].
+pub mod env {
+    /// This rank (0-based).
+    pub const RANK: &str = "WAGMA_RANK";
+    /// Number of ranks.
+    pub const WORLD_SIZE: &str = "WAGMA_WORLD_SIZE";
+    /// `host:port` of the rendezvous (rank 0 listens there).
+    pub const RENDEZVOUS: &str = "WAGMA_RENDEZVOUS";
+    /// Job id (default `wagma`).
+    pub const JOB_ID: &str = "WAGMA_JOB_ID";
+    /// Shared secret (default empty).
+    pub const SECRET: &str = "WAGMA_SECRET";
+    /// Address to listen on for peers (optional).
+    pub const BIND: &str = "WAGMA_BIND";
+}
+
+impl TcpConfig {
+    /// A configuration with default limits.
+    pub fn new(
+        rank: Rank,
+        world: usize,
+        rendezvous: impl Into<String>,
+        credentials: Credentials,
+    ) -> TcpConfig {
+        TcpConfig {
+            rank,
+            world,
+            rendezvous: rendezvous.into(),
+            bind: None,
+            credentials,
+            connect_timeout: Duration::from_secs(60),
+            io_timeout: Duration::from_secs(60),
+            max_frame_bytes: 1 << 31,
+        }
+    }
+
+    /// Reads `WAGMA_RANK`, `WAGMA_WORLD_SIZE`, `WAGMA_RENDEZVOUS`, `WAGMA_JOB_ID`,
+    /// `WAGMA_SECRET` and `WAGMA_BIND`.
+    pub fn from_env() -> Result<TcpConfig, ConfigError> {
+        let get = |k: &'static str| std::env::var(k).ok();
+        let num = |k: &'static str| -> Result<usize, ConfigError> {
+            let v = get(k).ok_or_else(|| ConfigError::Invalid {
+                what: k,
+                detail: "not set".into(),
+            })?;
+            v.trim().parse().map_err(|_| ConfigError::Invalid {
+                what: k,
+                detail: format!("{v:?} is not a number"),
+            })
+        };
+        let rank = num(env::RANK)?;
+        let world = num(env::WORLD_SIZE)?;
+        let rendezvous = get(env::RENDEZVOUS).ok_or(ConfigError::Invalid {
+            what: env::RENDEZVOUS,
+            detail: "not set".into(),
+        })?;
+        let credentials = Credentials {
+            job_id: get(env::JOB_ID).unwrap_or_else(|| "wagma".into()),
+            secret: get(env::SECRET).unwrap_or_default().into_bytes(),
+        };
+        let mut cfg = TcpConfig::new(rank, world, rendezvous, credentials);
+        if let Some(b) = get(env::BIND) {
+            cfg.bind = Some(b.parse().map_err(|_| ConfigError::Invalid {
+                what: env::BIND,
+                detail: format!("{b:?} is not an IP address"),
+            })?);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks rank and world size.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.world == 0 {
+            return Err(ConfigError::ZeroRanks);
+        }
+        if self.rank >= self.world {
+            return Err(ConfigError::RankOutOfRange {
+                rank: self.rank,
+                ranks: self.world,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One rank's connections to every peer.
+pub struct TcpTransport {
+    rank: Rank,
+    writers: Vec<Option<BufWriter<TcpStream>>>,
+    max_frame: u64,
+}
+
+impl Transport for TcpTransport {
+    fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError> {
+        let w = self
+            .writers
+            .get_mut(to)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| TransportError::Peer {
+                peer: to,
+                message: format!("rank {} has no connection to it", self.rank),
+            })?;
+        write_frame(w, &env, self.max_frame).map_err(|e| match e {
+            TransportError::FrameTooLarge { .. } => e,
+            other => TransportError::Peer {
+                peer: to,
+                message: other.to_string(),
+            },
+        })
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        for w in self.writers.iter_mut().flatten() {
+            let _ = w.flush();
+            let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, TransportError> {
+    addr.to_socket_addrs()
+        .map_err(|e| TransportError::Rendezvous(format!("cannot resolve {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| TransportError::Rendezvous(format!("{addr:?} resolves to nothing")))
+}
+
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+/// Connects to `addr`, retrying until `deadline` (the listener may not be up yet).
+fn connect_retry(addr: SocketAddr, deadline: Instant) -> Result<TcpStream, TransportError> {
+    loop {
+        match TcpStream::connect_timeout(&addr, left(deadline).min(Duration::from_secs(5))) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(TransportError::Rendezvous(format!(
+                    "cannot connect to {addr}: {e}"
+                )));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn prepare(s: &TcpStream, deadline: Instant) -> Result<(), TransportError> {
+    let io = |e: std::io::Error| TransportError::io("configuring a socket", &e);
+    s.set_nodelay(true).map_err(io)?;
+    s.set_read_timeout(Some(left(deadline))).map_err(io)?;
+    s.set_write_timeout(Some(left(deadline))).map_err(io)
+}
+
+/// Accepts connections until `want` peers passed the handshake or `deadline`. Connections that
+/// fail the handshake are refused, logged and do not count.
+fn accept_peers(
+    listener: &TcpListener,
+    me: Rank,
+    cred: &Credentials,
+    deadline: Instant,
+    mut want: impl FnMut(Rank) -> bool,
+    count: usize,
+) -> Result<Vec<(Rank, TcpStream)>, TransportError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| TransportError::io("listener", &e))?;
+    let mut got = Vec::with_capacity(count);
+    while got.len() < count {
+        if Instant::now() >= deadline {
+            return Err(TransportError::Rendezvous(format!(
+                "rank {me}: only {} of {count} peers connected in time",
+                got.len()
+            )));
+        }
+        match listener.accept() {
+            Ok((mut s, addr)) => {
+                let _ = s.set_nonblocking(false);
+                prepare(&s, deadline.min(Instant::now() + Duration::from_secs(10)))?;
+                match handshake::accept(&mut s, me, cred) {
+                    Ok(peer) if want(peer) => got.push((peer, s)),
+                    Ok(peer) => {
+                        tracing::warn!(rank = me, %addr, peer, "refused a connection claiming an unexpected rank");
+                    }
+                    Err(e) => tracing::warn!(rank = me, %addr, error = %e, "refused a connection"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
+            Err(e) => return Err(TransportError::io("accepting", &e)),
+        }
+    }
+    Ok(got)
+}
+
+/// Joins the job described by `cfg`: rendezvous, one authenticated connection per peer, a
+/// reader thread per connection delivering into `inbox`.
+pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport, TransportError> {
+    cfg.validate()
+        .map_err(|e| TransportError::Rendezvous(e.to_string()))?;
+    let deadline = Instant::now() + cfg.connect_timeout;
+    let me = cfg.rank;
+    let p = cfg.world;
+    let rdv = resolve(&cfg.rendezvous)?;
+    let rdv_listener = if me == 0 {
+        Some(
+            TcpListener::bind(rdv)
+                .map_err(|e| TransportError::io(format!("binding the rendezvous {rdv}"), &e))?,
+        )
+    } else {
+        None
+    };
+    let bind_ip = match cfg.bind {
+        Some(ip) => ip,
+        None if me == 0 => rdv.ip(),
+        None => {
+            // The address this host routes to rank 0 from is one rank 0 can reach us on; a
+            // connected UDP socket reveals it without sending anything.
+            let unspecified: SocketAddr = if rdv.is_ipv4() {
+                (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+            } else {
+                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+            };
+            let probe = std::net::UdpSocket::bind(unspecified)
+                .and_then(|u| u.connect(rdv).map(|()| u))
+                .and_then(|u| u.local_addr())
+                .map_err(|e| TransportError::io("finding the local address", &e))?;
+            probe.ip()
+        }
+    };
+    let listener = TcpListener::bind((bind_ip, 0))
+        .map_err(|e| TransportError::io(format!("binding {bind_ip}"), &e))?;
+    let my_addr = listener
+        .local_addr()
+        .map_err(|e| TransportError::io("listener address", &e))?;
+
+    let table = match rdv_listener {
+        Some(l) => serve_rendezvous(&l, cfg, my_addr, deadline)?,
+        None => register(rdv, cfg, my_addr, deadline)?,
+    };
+
+    // Accept from higher ranks on a helper thread while connecting to lower ones.
+    let (tx, rx) = mpsc::channel();
+    let cred = cfg.credentials.clone();
+    std::thread::scope(|s| -> Result<TcpTransport, TransportError> {
+        let listener = &listener;
+        s.spawn(move || {
+            let r = accept_peers(
+                listener,
+                me,
+                &cred,
+                deadline,
+                |peer| peer > me && peer < p,
+                p - 1 - me,
+            );
+            let _ = tx.send(r);
+        });
+        let mut streams: Vec<Option<TcpStream>> = (0..p).map(|_| None).collect();
+        for (peer, addr) in table.iter().enumerate().take(me) {
+            let mut st = connect_retry(*addr, deadline)?;
+            prepare(&st, deadline)?;
+            let got = handshake::connect(&mut st, me, &cfg.credentials)?;
+            if got != peer {
+                return Err(TransportError::Handshake(format!(
+                    "expected rank {peer} at {addr}, found rank {got}"
+                )));
+            }
+            streams[peer] = Some(st);
+        }
+        let accepted = rx
+            .recv()
+            .map_err(|_| TransportError::Rendezvous("the accepting thread died".into()))??;
+        for (peer, st) in accepted {
+            if streams[peer].is_some() {
+                return Err(TransportError::Handshake(format!(
+                    "rank {peer} connected twice"
+                )));
+            }
+            streams[peer] = Some(st);
+        }
+        let mut writers = Vec::with_capacity(p);
+        for (peer, st) in streams.into_iter().enumerate() {
+            let Some(st) = st else {
+                writers.push(None);
+                continue;
+            };
+            let io = |e: std::io::Error| TransportError::io("configuring a connection", &e);
+            st.set_read_timeout(None).map_err(io)?;
+            st.set_write_timeout(Some(cfg.io_timeout)).map_err(io)?;
+            let reader = st.try_clone().map_err(io)?;
+            spawn_reader(me, peer, reader, inbox.clone(), cfg.max_frame_bytes)?;
+            writers.push(Some(BufWriter::with_capacity(64 * 1024, st)));
+        }
+        Ok(TcpTransport {
+            rank: me,
+            writers,
+            max_frame: cfg.max_frame_bytes,
+        })
+    })
+}
+
+fn spawn_reader(
+    me: Rank,
+    peer: Rank,
+    stream: TcpStream,
+    inbox: Sender<Incoming>,
+    max: u64,
+) -> Result<(), TransportError> {
+    std::thread::Builder::new()
+        .name(format!("wagma-tcp-{me}<-{peer}"))
+        .spawn(move || {
+            let mut r = BufReader::with_capacity(256 * 1024, stream);
+            loop {
+                let reason = match read_frame(&mut r, max) {
+                    Ok(Some(env)) if env.from == peer => {
+                        if inbox.send(Ok(env)).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Ok(Some(env)) => format!("frame claims to come from rank {}", env.from),
+                    Ok(None) => "connection closed".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                let _ = inbox.send(Err(Lost { peer, reason }));
+                return;
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| TransportError::io("starting a reader thread", &e))
+}
+
+fn encode_addr(a: &SocketAddr) -> Vec<u8> {
+    a.to_string().into_bytes()
+}
+
+fn decode_addr(b: &[u8]) -> Result<SocketAddr, TransportError> {
+    std::str::from_utf8(b)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| TransportError::Rendezvous("malformed address in the rendezvous".into()))
+}
+
+/// Rank 0: collects every rank's address and sends the table back.
+fn serve_rendezvous(
+    l: &TcpListener,
+    cfg: &TcpConfig,
+    mine: SocketAddr,
+    deadline: Instant,
+) -> Result<Vec<SocketAddr>, TransportError> {
+    let p = cfg.world;
+    let mut table: Vec<Option<SocketAddr>> = vec![None; p];
+    table[0] = Some(mine);
+    let mut conns = Vec::new();
+    while conns.len() < p - 1 {
+        let mut batch = accept_peers(l, 0, &cfg.credentials, deadline, |r| r > 0 && r < p, 1)?;
+        let Some((peer, mut s)) = batch.pop() else {
+            continue;
+        };
+        let msg = handshake::read_msg(&mut s, 1024)?;
+        if msg.len() < 4 {
+            return Err(TransportError::Rendezvous(format!(
+                "rank {peer} sent a malformed registration"
+            )));
+        }
+        let world = u32::from_le_bytes([msg[0], msg[1], msg[2], msg[3]]) as usize;
+        if world != p {
+            let err =
+                format!("rank {peer} believes the job has {world} ranks, rank 0 believes {p}");
+            let _ = handshake::write_msg(&mut s, format!("!{err}").as_bytes());
+            return Err(TransportError::Rendezvous(err));
+        }
+        if table[peer].is_some() {
+            let _ = handshake::write_msg(&mut s, b"!duplicate rank");
+            return Err(TransportError::Rendezvous(format!(
+                "two processes claim rank {peer}"
+            )));
+        }
+        table[peer] = Some(decode_addr(&msg[4..])?);
+        conns.push(s);
+    }
+    let table: Vec<SocketAddr> = table.into_iter().flatten().collect();
+    let mut body = Vec::new();
+    for a in &table {
+        let e = encode_addr(a);
+        body.push(e.len() as u8);
+        body.extend_from_slice(&e);
+    }
+    for mut s in conns {
+        handshake::write_msg(&mut s, &body)?;
+    }
+    Ok(table)
+}
+
+/// Ranks above 0: register with rank 0 and receive the table.
+fn register(
+    rdv: SocketAddr,
+    cfg: &TcpConfig,
+    mine: SocketAddr,
+    deadline: Instant,
+) -> Result<Vec<SocketAddr>, TransportError> {
+    let mut s = connect_retry(rdv, deadline)?;
+    prepare(&s, deadline)?;
+    let peer = handshake::connect(&mut s, cfg.rank, &cfg.credentials)?;
+    if peer != 0 {
+        return Err(TransportError::Rendezvous(format!(
+            "the rendezvous answered as rank {peer}"
+        )));
+    }
+    let mut msg = (cfg.world as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(&encode_addr(&mine));
+    handshake::write_msg(&mut s, &msg)?;
+    let body = handshake::read_msg(&mut s, 64 * cfg.world + 64)?;
+    if body.first() == Some(&b'!') {
+        return Err(TransportError::Rendezvous(
+            String::from_utf8_lossy(&body[1..]).into_owned(),
+        ));
+    }
+    let mut table = Vec::with_capacity(cfg.world);
+    let mut at = 0;
+    while at < body.len() {
+        let n = body[at] as usize;
+        let a = body
+            .get(at + 1..at + 1 + n)
+            .ok_or_else(|| TransportError::Rendezvous("truncated address table".into()))?;
+        table.push(decode_addr(a)?);
+        at += 1 + n;
+    }
+    if table.len() != cfg.world {
+        return Err(TransportError::Rendezvous(format!(
+            "table has {} addresses for {} ranks",
+            table.len(),
+            cfg.world
+        )));
+    }
+    Ok(table)
+}

@@ -1,0 +1,84 @@
+//! Small shared helpers: serde of durations, histograms.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Serializes a `Duration` as fractional seconds.
+pub mod serde_secs {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes seconds as `f64`.
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    /// Reads seconds from `f64`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(secs).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A histogram of small non-negative integers (staleness in rounds).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Histogram {
+    counts: BTreeMap<u64, u64>,
+}
+
+impl Histogram {
+    /// Counts one observation of `value`.
+    pub fn record(&mut self, value: u64) {
+        *self.counts.entry(value).or_default() += 1;
+    }
+
+    /// Adds every count of `other`.
+    pub fn merge(&mut self, other: &Histogram) {
+        for (&v, &c) in &other.counts {
+            *self.counts.entry(v).or_default() += c;
+        }
+    }
+
+    /// Number of observations of `value`.
+    pub fn count(&self, value: u64) -> u64 {
+        self.counts.get(&value).copied().unwrap_or(0)
+    }
+
+    /// Total number of observations.
+    pub fn total(&self) -> u64 {
+        self.counts.values().sum()
+    }
+
+    /// Largest value observed.
+    pub fn max(&self) -> Option<u64> {
+        self.counts.keys().next_back().copied()
+    }
+
+    /// Mean of the observations.
+    pub fn mean(&self) -> f64 {
+        let n = self.total();
+        if n == 0 {
+            return 0.0;
+        }
+        self.counts
+            .iter()
+            .map(|(&v, &c)| v as f64 * c as f64)
+            .sum::<f64>()
+            / n as f64
+    }
+
+    /// `(value, count)` pairs in increasing order of value.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.counts.iter().map(|(&v, &c)| (v, c))
+    }
+}
+
+impl std::fmt::Display for Histogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.iter().map(|(v, c)| format!("{v}:{c}")).collect();
+        write!(f, "{{{}}}", parts.join(" "))
+    }
+}
