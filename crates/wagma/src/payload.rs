@@ -1,15 +1,81 @@
-//! Model and message buffers: real `f32` data, or only a length (for simulations where a
-//! 25.6M-parameter model costs nothing to carry).
+//! Model and message buffers: owned `f32` data, a shared read-only view of another buffer
+//! (how a send avoids a copy), or only a length (for simulations where a 25.6M-parameter model
+//! costs nothing to carry).
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
-/// A buffer of `f32` values or, in simulations, just its length.
-#[derive(Debug, Clone, PartialEq)]
+/// Recycles large buffers. A fresh 64 MiB allocation is mapped from the OS and touched page by
+/// page (page faults cost more than the copy itself); collectives allocate and drop buffers of
+/// the same sizes over and over, so keeping a few lets every round after the first reuse
+/// memory that is already mapped.
+pub mod pool {
+    use super::Mutex;
+
+    /// Buffers smaller than this many elements are left to the allocator.
+    const MIN_ELEMENTS: usize = 1 << 14;
+    /// Largest number of buffers kept.
+    const MAX_BUFFERS: usize = 64;
+    /// Largest number of elements kept in all (1 GiB).
+    const MAX_ELEMENTS: usize = 1 << 30;
+
+    static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+    /// An empty vector with room for `len` elements.
+    pub fn take(len: usize) -> Vec<f32> {
+        if len >= MIN_ELEMENTS {
+            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = pool
+                .iter()
+                .position(|v| v.capacity() >= len && v.capacity() <= 2 * len)
+            {
+                let mut v = pool.swap_remove(i);
+                v.clear();
+                return v;
+            }
+        }
+        Vec::with_capacity(len)
+    }
+
+    /// A copy of `src` in a recycled buffer.
+    pub fn copy_of(src: &[f32]) -> Vec<f32> {
+        let mut v = take(src.len());
+        v.extend_from_slice(src);
+        v
+    }
+
+    /// Hands a buffer back for reuse.
+    pub fn give(v: Vec<f32>) {
+        if v.capacity() < MIN_ELEMENTS {
+            return;
+        }
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = pool.iter().map(Vec::capacity).sum();
+        if pool.len() < MAX_BUFFERS && held + v.capacity() <= MAX_ELEMENTS {
+            pool.push(v);
+        }
+    }
+}
+
+/// A buffer of `f32` values, a read-only view of a shared one, or in simulations just a length.
+#[derive(Debug, Clone)]
 pub enum Payload {
-    /// Real values.
+    /// Owned values.
     Data(Vec<f32>),
+    /// A read-only range of a buffer shared with others; written to, it becomes owned.
+    Shared(Arc<Vec<f32>>, Range<usize>),
     /// A virtual buffer of this many elements: arithmetic on it is free and does nothing.
     Size(usize),
+}
+
+impl PartialEq for Payload {
+    fn eq(&self, other: &Payload) -> bool {
+        match (self, other) {
+            (Payload::Size(a), Payload::Size(b)) => a == b,
+            (Payload::Size(_), _) | (_, Payload::Size(_)) => false,
+            (a, b) => a.as_slice() == b.as_slice(),
+        }
+    }
 }
 
 impl Default for Payload {
@@ -28,8 +94,12 @@ impl Payload {
     /// A buffer of `len` zeros, virtual if `like` is virtual.
     pub fn zeros_like(like: &Payload, len: usize) -> Payload {
         match like {
-            Payload::Data(_) => Payload::Data(vec![0.0; len]),
             Payload::Size(_) => Payload::Size(len),
+            _ => {
+                let mut v = pool::take(len);
+                v.resize(len, 0.0);
+                Payload::Data(v)
+            }
         }
     }
 
@@ -37,6 +107,7 @@ impl Payload {
     pub fn len(&self) -> usize {
         match self {
             Payload::Data(v) => v.len(),
+            Payload::Shared(_, r) => r.len(),
             Payload::Size(n) => *n,
         }
     }
@@ -55,15 +126,45 @@ impl Payload {
     pub fn as_slice(&self) -> &[f32] {
         match self {
             Payload::Data(v) => v,
+            Payload::Shared(a, r) => &a[r.clone()],
             Payload::Size(_) => &[],
         }
     }
 
-    /// The values, mutably (empty for a virtual buffer).
+    /// The values, mutably (empty for a virtual buffer); a shared view is copied first.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        self.own();
         match self {
             Payload::Data(v) => v,
-            Payload::Size(_) => &mut [],
+            _ => &mut [],
+        }
+    }
+
+    /// Makes the values owned: a shared view becomes a copy (or the buffer itself when this
+    /// was its last holder).
+    pub fn own(&mut self) {
+        if let Payload::Shared(_, _) = self
+            && let Payload::Shared(a, r) = std::mem::replace(self, Payload::Size(0))
+        {
+            *self = Payload::Data(owned(a, r));
+        }
+    }
+
+    /// A read-only view of `range` that shares this buffer's memory (no copy). An owned buffer
+    /// becomes shared; writing to it later copies it unless it is the last holder.
+    pub fn view(&mut self, range: Range<usize>) -> Payload {
+        match self {
+            Payload::Size(_) => Payload::Size(range.len()),
+            Payload::Shared(a, r) => {
+                Payload::Shared(Arc::clone(a), r.start + range.start..r.start + range.end)
+            }
+            Payload::Data(v) => {
+                let arc = Arc::new(std::mem::take(v));
+                let len = arc.len();
+                let view = Payload::Shared(Arc::clone(&arc), range);
+                *self = Payload::Shared(arc, 0..len);
+                view
+            }
         }
     }
 
@@ -71,6 +172,7 @@ impl Payload {
     pub fn into_vec(self) -> Vec<f32> {
         match self {
             Payload::Data(v) => v,
+            Payload::Shared(a, r) => owned(a, r),
             Payload::Size(_) => Vec::new(),
         }
     }
@@ -80,27 +182,67 @@ impl Payload {
         self.len() * std::mem::size_of::<f32>()
     }
 
-    /// A copy of `range`.
+    /// A copy of `range` (in a recycled buffer).
     pub fn slice(&self, range: Range<usize>) -> Payload {
         match self {
-            Payload::Data(v) => Payload::Data(v[range].to_vec()),
             Payload::Size(_) => Payload::Size(range.len()),
+            _ => Payload::Data(pool::copy_of(&self.as_slice()[range])),
         }
+    }
+
+    /// A copy of the whole buffer (in a recycled buffer).
+    pub fn duplicate(&self) -> Payload {
+        self.slice(0..self.len())
+    }
+
+    /// Hands the buffer's memory back for reuse (a shared buffer only by its last holder).
+    pub fn recycle(self) {
+        match self {
+            Payload::Data(v) => pool::give(v),
+            Payload::Shared(a, _) => {
+                if let Ok(v) = Arc::try_unwrap(a) {
+                    pool::give(v);
+                }
+            }
+            Payload::Size(_) => {}
+        }
+    }
+
+    /// `a + b` elementwise into a new (recycled) buffer; virtual if either is.
+    pub fn sum_of(a: &Payload, b: &Payload) -> Payload {
+        if a.is_virtual() || b.is_virtual() {
+            return Payload::Size(a.len());
+        }
+        let mut v = pool::take(a.len());
+        v.extend(a.as_slice().iter().zip(b.as_slice()).map(|(x, y)| x + y));
+        Payload::Data(v)
     }
 
     /// `self[range] += other` elementwise.
     pub fn add_at(&mut self, range: Range<usize>, other: &Payload) {
-        if let (Payload::Data(a), Payload::Data(b)) = (self, other) {
-            for (x, y) in a[range].iter_mut().zip(b) {
-                *x += *y;
-            }
+        if self.is_virtual() || other.is_virtual() {
+            return;
+        }
+        for (x, y) in self.as_mut_slice()[range].iter_mut().zip(other.as_slice()) {
+            *x += *y;
         }
     }
 
     /// `self[range] = other`.
     pub fn copy_at(&mut self, range: Range<usize>, other: &Payload) {
-        if let (Payload::Data(a), Payload::Data(b)) = (self, other) {
-            a[range].copy_from_slice(b);
+        if self.is_virtual() || other.is_virtual() {
+            return;
+        }
+        self.as_mut_slice()[range].copy_from_slice(other.as_slice());
+    }
+
+    /// `self += src[range]` elementwise (`self` has `range.len()` elements).
+    pub fn add_range_of(&mut self, src: &Payload, range: Range<usize>) {
+        if self.is_virtual() || src.is_virtual() {
+            return;
+        }
+        for (x, y) in self.as_mut_slice().iter_mut().zip(&src.as_slice()[range]) {
+            *x += *y;
         }
     }
 
@@ -112,37 +254,66 @@ impl Payload {
 
     /// `self -= other` elementwise.
     pub fn sub(&mut self, other: &Payload) {
-        if let (Payload::Data(a), Payload::Data(b)) = (self, other) {
-            for (x, y) in a.iter_mut().zip(b) {
-                *x -= *y;
-            }
+        if self.is_virtual() || other.is_virtual() {
+            return;
+        }
+        for (x, y) in self.as_mut_slice().iter_mut().zip(other.as_slice()) {
+            *x -= *y;
         }
     }
 
     /// `self *= k`.
     pub fn scale(&mut self, k: f32) {
-        if let Payload::Data(a) = self {
-            for x in a {
-                *x *= k;
-            }
+        for x in self.as_mut_slice() {
+            *x *= k;
         }
     }
 
     /// Sets every element to zero.
     pub fn fill_zero(&mut self) {
-        if let Payload::Data(a) = self {
-            a.fill(0.0);
-        }
+        self.as_mut_slice().fill(0.0);
     }
 }
 
-impl Payload {
-    /// `self += src[range]` elementwise (`self` has `range.len()` elements).
-    pub fn add_range_of(&mut self, src: &Payload, range: Range<usize>) {
-        if let (Payload::Data(a), Payload::Data(b)) = (self, src) {
-            for (x, y) in a.iter_mut().zip(&b[range]) {
-                *x += *y;
-            }
+fn owned(a: Arc<Vec<f32>>, r: Range<usize>) -> Vec<f32> {
+    if r.start == 0 && r.end == a.len() {
+        match Arc::try_unwrap(a) {
+            Ok(v) => v,
+            Err(a) => pool::copy_of(&a[r]),
         }
+    } else {
+        pool::copy_of(&a[r])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_share_until_written() {
+        let mut p = Payload::Data(vec![1.0, 2.0, 3.0, 4.0]);
+        let v = p.view(1..3);
+        assert_eq!(v.as_slice(), &[2.0, 3.0]);
+        assert!(matches!(p, Payload::Shared(..)));
+        p.add_at(0..2, &Payload::Data(vec![10.0, 10.0]));
+        assert_eq!(p.as_slice(), &[11.0, 12.0, 3.0, 4.0]);
+        assert_eq!(v.as_slice(), &[2.0, 3.0], "the view keeps the old values");
+        let mut last = Payload::Data(vec![5.0; 3]);
+        let view = last.view(0..3);
+        drop(view);
+        last.own();
+        assert_eq!(last, Payload::Data(vec![5.0; 3]));
+        assert_eq!(Payload::sum_of(&last, &last).as_slice(), &[10.0; 3]);
+    }
+
+    #[test]
+    fn virtual_buffers_do_nothing() {
+        let mut p = Payload::Size(10);
+        p.add(&Payload::Size(10));
+        p.scale(2.0);
+        assert_eq!(p.len(), 10);
+        assert_eq!(p.view(2..5), Payload::Size(3));
+        assert_eq!(Payload::zeros_like(&p, 4), Payload::Size(4));
     }
 }

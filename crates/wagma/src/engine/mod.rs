@@ -8,6 +8,7 @@
 //! here: activation along binomial trees, in-order rounds consumed once, passive contributions
 //! of the published model, results kept until read, global sync rounds, timeouts.
 
+mod buffer;
 mod passive;
 mod run;
 mod stream;
@@ -26,7 +27,9 @@ const CONTROL_BYE: u16 = 0;
 const CONTROL_ABORT: u16 = 1;
 use crate::Rank;
 
-pub use stream::{ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger};
+pub use stream::{
+    ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger, initiator,
+};
 
 use passive::Passive;
 use run::{Owner, Running};
@@ -293,6 +296,8 @@ impl Engine {
             Request::Stats => Ok(Response::Stats(self.stats.clone())),
         };
         out.push(Action::Complete { id, result });
+        // Opening the stream may start rounds activated before it was open.
+        self.settle(now, out);
     }
 
     /// Handles a message from a peer.

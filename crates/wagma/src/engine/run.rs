@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use super::buffer::WorkBuf;
 use super::{ReqId, Time};
 use crate::Rank;
 use crate::error::{Error, Op};
@@ -28,7 +29,7 @@ pub(super) struct Running {
     schedule: Schedule,
     phase: usize,
     posted: bool,
-    buf: Payload,
+    buf: WorkBuf,
     weight: f64,
     contributions: Vec<Contribution>,
     got: Vec<Option<Envelope>>,
@@ -56,7 +57,7 @@ impl Running {
             schedule,
             phase: 0,
             posted: false,
-            buf,
+            buf: WorkBuf::new(buf),
             weight,
             contributions,
             got: Vec::new(),
@@ -135,7 +136,7 @@ impl Running {
                             aux: 0,
                             contributions: self.contributions.clone(),
                         },
-                        data: self.buf.slice(s.range.clone()),
+                        data: self.buf.view(s.range.clone()),
                     };
                     sends.push((s.peer, env));
                 }
@@ -182,55 +183,26 @@ impl Running {
         let Some(range) = ranges.first().cloned() else {
             return;
         };
-        let mut items: Vec<Option<Envelope>> = got.into_iter().map(Some).collect();
-        items.push(None);
-        items.sort_by_key(|e| e.as_ref().map_or(rank, |e| e.from));
-        let own = items.iter().position(Option::is_none).unwrap_or(0);
-        if own <= 1 {
-            // ((a + b) + c) == ((b + a) + c) bit for bit: the local buffer can take the first
-            // or second place without a copy.
-            for env in items.into_iter().flatten() {
-                self.buf.add_at(range.clone(), &env.data);
-                self.weight += env.meta.weight;
-                merge(&mut self.contributions, &env.meta.contributions);
-            }
-            return;
+        let mut weights: Vec<(Rank, f64)> = got.iter().map(|e| (e.from, e.meta.weight)).collect();
+        weights.push((rank, self.weight));
+        weights.sort_by_key(|(r, _)| *r);
+        self.weight = weights.iter().skip(1).fold(weights[0].1, |w, (_, x)| w + x);
+        let mut others = Vec::with_capacity(got.len());
+        for env in got {
+            merge(&mut self.contributions, &env.meta.contributions);
+            others.push((env.from, env.data));
         }
-        let mut acc: Option<(Payload, f64)> = None;
-        let mut contributions = std::mem::take(&mut self.contributions);
-        for item in items {
-            match (item, &mut acc) {
-                (Some(env), None) => {
-                    merge(&mut contributions, &env.meta.contributions);
-                    acc = Some((env.data, env.meta.weight));
-                }
-                (Some(env), Some((a, w))) => {
-                    merge(&mut contributions, &env.meta.contributions);
-                    a.add(&env.data);
-                    *w += env.meta.weight;
-                }
-                (None, Some((a, w))) => {
-                    a.add_range_of(&self.buf, range.clone());
-                    *w += self.weight;
-                }
-                (None, None) => unreachable!("the local item is at position >= 2"),
-            }
-        }
-        if let Some((a, w)) = acc {
-            self.buf.copy_at(range, &a);
-            self.weight = w;
-        }
-        self.contributions = contributions;
+        self.buf.sum(rank, range, others);
     }
 
     fn copy(&mut self, ranges: Vec<std::ops::Range<usize>>, got: Vec<Envelope>) {
         let whole = ranges.len() == 1 && ranges[0].len() == self.buf.len();
         for (range, env) in ranges.into_iter().zip(got) {
-            self.buf.copy_at(range, &env.data);
             merge(&mut self.contributions, &env.meta.contributions);
             if whole {
                 self.weight = env.meta.weight;
             }
+            self.buf.replace(range, env.data);
         }
     }
 
@@ -260,7 +232,12 @@ impl Running {
 
     /// The owner, buffer, weight and contributions of a finished schedule.
     pub fn into_result(self) -> (Owner, Payload, f64, Vec<Contribution>) {
-        (self.owner, self.buf, self.weight, self.contributions)
+        (
+            self.owner,
+            self.buf.finish(),
+            self.weight,
+            self.contributions,
+        )
     }
 }
 

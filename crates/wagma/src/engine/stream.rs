@@ -124,6 +124,14 @@ pub struct RoundResult {
 }
 
 impl RoundResult {
+    /// Hands the sum's memory back for reuse once nobody else holds it (the engine may keep a
+    /// result for a rank that reads it again).
+    pub fn recycle(self) {
+        if let Ok(p) = Arc::try_unwrap(self.sum) {
+            p.recycle();
+        }
+    }
+
     /// Staleness of each member's contribution relative to `round`.
     pub fn staleness(&self) -> impl Iterator<Item = u64> + '_ {
         self.members.iter().map(|c| c.staleness(self.round))
@@ -153,12 +161,13 @@ pub(super) struct Stream {
 
 impl Stream {
     fn is_sync(&self, round: u64) -> bool {
-        self.sync_period.is_some_and(|tau| (round + 1) % tau == 0)
+        self.sync_period
+            .is_some_and(|tau| (round + 1).is_multiple_of(tau))
     }
 
     fn publish(&mut self, data: Payload, steps: u64) {
         match self.mode {
-            ContributionMode::Model => self.published = data,
+            ContributionMode::Model => std::mem::replace(&mut self.published, data).recycle(),
             ContributionMode::Accumulate => self.published.add(&data),
         }
         self.published_steps = steps;
@@ -189,6 +198,12 @@ impl Stream {
             Trigger::Majority { seed } => Some(initiator(seed, round, self.grouping.ranks())),
             _ => None,
         }
+    }
+
+    /// The lowest round not yet run at this rank.
+    #[cfg(test)]
+    pub fn next_round(&self) -> u64 {
+        self.next_round
     }
 
     pub fn describe_wait(&self) -> Option<String> {
@@ -413,7 +428,7 @@ impl Engine {
         };
         let len = s.published.len();
         let data = match s.mode {
-            ContributionMode::Model => s.published.clone(),
+            ContributionMode::Model => s.published.view(0..len),
             ContributionMode::Accumulate => {
                 let zeros = Payload::zeros_like(&s.published, len);
                 std::mem::replace(&mut s.published, zeros)
@@ -469,9 +484,9 @@ impl Engine {
             if s.mode == ContributionMode::Model {
                 // A passive contribution to the next rounds should be the consensus, not the
                 // model every rank has just averaged away.
-                let mut avg = sum.clone();
+                let mut avg = sum.duplicate();
                 avg.scale(1.0 / ranks as f32);
-                s.published = avg;
+                std::mem::replace(&mut s.published, avg).recycle();
                 s.published_steps = round + 1;
             }
             RoundKind::Sync
@@ -509,7 +524,12 @@ impl Engine {
         let outcome = match s.read {
             ReadMode::Latest => {
                 // Keep the chosen result: a rank far behind may read it again next iteration.
-                s.results = s.results.split_off(&r);
+                let kept = s.results.split_off(&r);
+                for (_, old) in std::mem::replace(&mut s.results, kept) {
+                    if let Ok(p) = Arc::try_unwrap(old.sum) {
+                        p.recycle();
+                    }
+                }
                 let o = &s.results[&r];
                 Outcome {
                     kind: o.kind,

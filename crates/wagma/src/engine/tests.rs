@@ -1,1 +1,235 @@
+//! The engine state machine driven by hand: a FIFO network and explicit requests.
 
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::*;
+use crate::topology::GroupingKind;
+
+struct Net {
+    engines: Vec<Engine>,
+    wire: VecDeque<(Rank, Envelope)>,
+    done: Vec<(Rank, ReqId, Result<Response, Error>)>,
+    sent: Vec<(Rank, Rank, Kind, u64)>,
+}
+
+impl Net {
+    fn new(p: usize) -> Net {
+        Net {
+            engines: (0..p)
+                .map(|r| Engine::new(r, p, EngineConfig::default()))
+                .collect(),
+            wire: VecDeque::new(),
+            done: Vec::new(),
+            sent: Vec::new(),
+        }
+    }
+
+    fn absorb(&mut self, from: Rank, out: Vec<Action>) {
+        for a in out {
+            match a {
+                Action::Send { to, env } => {
+                    self.sent.push((from, to, env.tag.kind, env.tag.seq));
+                    self.wire.push_back((to, env));
+                }
+                Action::Complete { id, result } => self.done.push((from, id, result)),
+            }
+        }
+    }
+
+    fn request(&mut self, rank: Rank, id: ReqId, req: Request) {
+        let mut out = Vec::new();
+        self.engines[rank].on_request(Duration::ZERO, id, req, &mut out);
+        self.absorb(rank, out);
+    }
+
+    /// Delivers messages until none is left, or `limit` of them.
+    fn pump(&mut self, limit: usize) {
+        for _ in 0..limit {
+            let Some((to, env)) = self.wire.pop_front() else {
+                return;
+            };
+            let mut out = Vec::new();
+            self.engines[to].on_message(Duration::ZERO, env, &mut out);
+            self.absorb(to, out);
+        }
+    }
+
+    fn take_round(&mut self, rank: Rank, id: ReqId) -> RoundResult {
+        let i = self
+            .done
+            .iter()
+            .position(|(r, i, _)| *r == rank && *i == id)
+            .unwrap_or_else(|| panic!("request {id} of rank {rank} is not complete"));
+        match self.done.remove(i).2 {
+            Ok(Response::Round(r)) => r,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+fn open(net: &mut Net, s: usize, len: usize) {
+    for r in 0..net.engines.len() {
+        let cfg = StreamConfig {
+            group_size: s,
+            grouping: GroupingKind::Butterfly,
+            trigger: Trigger::Solo,
+            mode: ContributionMode::Model,
+            read: ReadMode::Latest,
+            sync_period: None,
+            initial: Payload::Data(vec![r as f32; len]),
+            initial_steps: 0,
+        };
+        net.request(r, 1000, Request::OpenStream(Box::new(cfg)));
+    }
+    net.done.clear();
+}
+
+fn arrive(net: &mut Net, rank: Rank, round: u64, value: f32) {
+    let data = Payload::Data(vec![value; 2]);
+    net.request(
+        rank,
+        round,
+        Request::Arrive {
+            round,
+            data,
+            steps: round + 1,
+        },
+    );
+}
+
+#[test]
+fn two_activators_run_the_round_once_everywhere() {
+    let mut net = Net::new(8);
+    open(&mut net, 4, 2);
+    // Ranks 0 and 6 arrive at round 0 before any message moves.
+    arrive(&mut net, 0, 0, 100.0);
+    arrive(&mut net, 6, 0, 600.0);
+    net.pump(10_000);
+    for e in &net.engines {
+        assert_eq!(e.stats.rounds, 1, "rank {}", e.rank);
+    }
+    // Every rank forwarded each activation tree it received: 2 trees of 7 messages.
+    let activations = net.sent.iter().filter(|s| s.2 == Kind::Activation).count();
+    assert_eq!(activations, 14);
+    let r0 = net.take_round(0, 0);
+    assert!(r0.fresh);
+    // Group {0,1,2,3}: rank 0 fresh, ranks 1..3 passive with their initial models.
+    assert_eq!(r0.sum.as_slice(), &[100.0 + 1.0 + 2.0 + 3.0; 2]);
+    let r6 = net.take_round(6, 0);
+    assert_eq!(r6.sum.as_slice(), &[4.0 + 5.0 + 600.0 + 7.0; 2]);
+    // A late rank arriving now gets the executed round, stale.
+    arrive(&mut net, 3, 0, 300.0);
+    let r3 = net.take_round(3, 0);
+    assert!(!r3.fresh);
+    assert_eq!(r3.own.steps, 0);
+    assert_eq!(r3.sum.as_slice(), r0.sum.as_slice());
+}
+
+#[test]
+fn rounds_run_in_order_even_when_activations_overtake() {
+    let mut net = Net::new(4);
+    open(&mut net, 2, 2);
+    arrive(&mut net, 0, 0, 1.0);
+    // Deliver only rank 0's first activation, then let rank 0 race ahead to round 1 by
+    // completing round 0 with its partner.
+    net.pump(10_000);
+    let _ = net.take_round(0, 0);
+    arrive(&mut net, 0, 1, 2.0);
+    net.pump(10_000);
+    for e in &net.engines {
+        assert_eq!(e.stats.rounds, 2, "rank {}", e.rank);
+        let s = e.stream.as_ref().unwrap();
+        assert_eq!(s.next_round(), 2);
+    }
+    // Rank 2 arrives at round 0 late and gets the most recent result (round 1).
+    arrive(&mut net, 2, 0, 5.0);
+    let r = net.take_round(2, 0);
+    assert_eq!((r.requested, r.round), (0, 1));
+    assert!(!r.fresh);
+}
+
+#[test]
+fn activations_before_the_stream_opens_are_kept() {
+    let mut net = Net::new(2);
+    let cfg = |r: usize| StreamConfig {
+        group_size: 2,
+        grouping: GroupingKind::Butterfly,
+        trigger: Trigger::Solo,
+        mode: ContributionMode::Model,
+        read: ReadMode::Latest,
+        sync_period: None,
+        initial: Payload::Data(vec![r as f32]),
+        initial_steps: 0,
+    };
+    net.request(0, 1000, Request::OpenStream(Box::new(cfg(0))));
+    net.request(
+        0,
+        0,
+        Request::Arrive {
+            round: 0,
+            data: Payload::Data(vec![10.0]),
+            steps: 1,
+        },
+    );
+    // Rank 1 receives the activation and rank 0's data before opening its stream.
+    net.pump(10_000);
+    net.request(1, 1000, Request::OpenStream(Box::new(cfg(1))));
+    net.pump(10_000);
+    let r = net.take_round(0, 0);
+    assert_eq!(r.sum.as_slice(), &[11.0]);
+}
+
+#[test]
+fn a_timeout_names_the_missing_peer_and_stops_the_engine() {
+    let mut e = Engine::new(0, 2, EngineConfig::default());
+    let mut out = Vec::new();
+    let schedule = crate::schedule::allreduce(0, &[0, 1], 3, &Default::default());
+    e.on_request(
+        Duration::ZERO,
+        7,
+        Request::Run {
+            kind: Kind::Collective,
+            seq: 0,
+            schedule,
+            data: Payload::Data(vec![1.0; 3]),
+            weight: 0.0,
+            steps: 0,
+        },
+        &mut out,
+    );
+    assert_eq!(e.next_deadline(), Some(Duration::from_secs(60)));
+    out.clear();
+    e.on_tick(Duration::from_secs(61), &mut out);
+    match &out[..] {
+        [
+            Action::Complete {
+                id: 7,
+                result: Err(Error::Timeout { missing, .. }),
+            },
+        ] => assert_eq!(missing, &vec![1]),
+        other => panic!("unexpected {other:?}"),
+    }
+    out.clear();
+    e.on_request(Duration::from_secs(62), 8, Request::Stats, &mut out);
+    assert!(matches!(
+        &out[..],
+        [Action::Complete {
+            result: Err(Error::Stopped { .. }),
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn a_peer_that_said_goodbye_may_close_its_connection() {
+    let mut e = Engine::new(0, 3, EngineConfig::default());
+    let mut out = Vec::new();
+    let bye = Engine::new(2, 3, EngineConfig::default()).farewell(false);
+    let (_, env) = bye.into_iter().find(|(to, _)| *to == 0).unwrap();
+    e.on_message(Duration::ZERO, env, &mut out);
+    e.on_peer_lost(Duration::ZERO, 2, "connection closed", &mut out);
+    assert!(e.failure().is_none());
+    e.on_peer_lost(Duration::ZERO, 1, "connection reset", &mut out);
+    assert!(matches!(e.failure(), Some(Error::PeerLost { peer: 1, .. })));
+}

@@ -10,7 +10,7 @@ use crate::Rank;
 use crate::engine::{EngineConfig, EngineStats, Request, Response, RoundResult, StreamConfig};
 use crate::error::{Error, Op};
 use crate::payload::Payload;
-use crate::schedule::{self, Schedule};
+use crate::schedule::{self, AlgorithmChoice, Schedule};
 use crate::transport::{Contribution, Kind};
 use crate::util::Histogram;
 
@@ -165,6 +165,20 @@ impl Comm {
         data: Payload,
         steps: u64,
     ) -> Result<Exchanged, Error> {
+        let choice = self.cfg.algorithm;
+        self.allreduce_with(members, seq, data, steps, &choice)
+            .await
+    }
+
+    /// Like [`Comm::allreduce_in`] with an explicit algorithm choice.
+    pub async fn allreduce_with(
+        &mut self,
+        members: &[Rank],
+        seq: u64,
+        data: Payload,
+        steps: u64,
+        choice: &AlgorithmChoice,
+    ) -> Result<Exchanged, Error> {
         if members.binary_search(&self.rank).is_err() {
             return Err(Error::Protocol {
                 rank: self.rank,
@@ -175,7 +189,7 @@ impl Comm {
                 detail: format!("rank is not a member of {members:?}"),
             });
         }
-        let schedule = schedule::allreduce(self.rank, members, data.len(), &self.cfg.algorithm);
+        let schedule = schedule::allreduce(self.rank, members, data.len(), choice);
         self.run(Kind::Collective, seq, schedule, data, 0.0, steps)
             .await
     }

@@ -11,7 +11,7 @@ use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use super::{Comm, JobResult, Pending, Port, Slot, block_on};
 use crate::Rank;
 use crate::engine::{Action, Engine, EngineConfig, ReqId, Request, Response};
-use crate::error::Error;
+use crate::error::{ConfigError, Error, TransportError};
 use crate::transport::{Incoming, Transport, mem};
 
 /// How long an idle engine thread sleeps between checks when nothing has a deadline.
@@ -63,15 +63,18 @@ pub fn spawn(
     transport: Box<dyn Transport>,
     inbox: Receiver<Incoming>,
     start: Instant,
-) -> (Comm, JoinHandle<()>) {
+) -> Result<(Comm, JoinHandle<()>), Error> {
     let (tx, rx) = unbounded();
     let engine = Engine::new(rank, ranks, cfg);
     let handle = std::thread::Builder::new()
         .name(format!("wagma-engine-{rank}"))
         .spawn(move || engine_loop(engine, transport, rx, inbox, start))
-        .unwrap_or_else(|e| panic!("cannot start the engine thread of rank {rank}: {e}"));
+        .map_err(|e| Error::Transport {
+            rank,
+            source: TransportError::io("starting the engine thread", &e),
+        })?;
     let port = ThreadedPort { tx, start, rank };
-    (Comm::new(rank, ranks, cfg, Arc::new(port)), handle)
+    Ok((Comm::new(rank, ranks, cfg, Arc::new(port)), handle))
 }
 
 fn engine_loop(
@@ -177,11 +180,14 @@ fn leave(
 /// Runs `task` on `ranks` in-process ranks (a compute thread and an engine thread each, over
 /// the in-process transport). After a task succeeds its rank waits at a barrier so that no
 /// peer still needs its engine; a failing task tells its peers, which then fail too.
-pub fn run<R, F>(ranks: usize, cfg: EngineConfig, task: F) -> JobResult<R>
+pub fn run<R, F>(ranks: usize, cfg: EngineConfig, task: F) -> Result<JobResult<R>, ConfigError>
 where
     F: AsyncFn(&mut Comm) -> Result<R, Error> + Sync,
     R: Send,
 {
+    if ranks == 0 {
+        return Err(ConfigError::ZeroRanks);
+    }
     let start = Instant::now();
     let net = mem::network(ranks);
     let task = &task;
@@ -194,7 +200,10 @@ where
                     .name(format!("wagma-rank-{rank}"))
                     .spawn_scoped(s, move || {
                         let (mut comm, engine) =
-                            spawn(rank, ranks, cfg, Box::new(transport), inbox, start);
+                            match spawn(rank, ranks, cfg, Box::new(transport), inbox, start) {
+                                Ok(x) => x,
+                                Err(e) => return (Err(e), start.elapsed()),
+                            };
                         let result = block_on(task(&mut comm));
                         let at = start.elapsed();
                         match &result {
@@ -225,7 +234,7 @@ where
             })
             .collect()
     });
-    collect(outcomes)
+    Ok(collect(outcomes))
 }
 
 /// Orders outcomes and finds the earliest failure.
@@ -261,12 +270,5 @@ pub fn connect_tcp(
         rank: tcp.rank,
         source,
     })?;
-    Ok(spawn(
-        tcp.rank,
-        tcp.world,
-        cfg,
-        Box::new(transport),
-        rx,
-        start,
-    ))
+    spawn(tcp.rank, tcp.world, cfg, Box::new(transport), rx, start)
 }

@@ -23,7 +23,7 @@ use super::threaded::collect;
 use super::{Comm, JobResult, Pending, Port, Slot};
 use crate::Rank;
 use crate::engine::{Action, Engine, EngineConfig, ReqId, Request, Response};
-use crate::error::Error;
+use crate::error::{ConfigError, Error};
 use crate::transport::Envelope;
 
 /// When a message sent at `now` arrives.
@@ -283,10 +283,18 @@ impl Wake for TaskWaker {
 type Task<'a, R> = Pin<Box<dyn Future<Output = Result<R, Error>> + 'a>>;
 
 /// Runs `task` on `ranks` ranks in virtual time, deterministically for a given seed.
-pub fn run<R, F>(ranks: usize, cfg: EngineConfig, vcfg: VirtualConfig, task: F) -> JobResult<R>
+pub fn run<R, F>(
+    ranks: usize,
+    cfg: EngineConfig,
+    vcfg: VirtualConfig,
+    task: F,
+) -> Result<JobResult<R>, ConfigError>
 where
     F: AsyncFn(&mut Comm) -> Result<R, Error>,
 {
+    if ranks == 0 {
+        return Err(ConfigError::ZeroRanks);
+    }
     let core = Arc::new(Mutex::new(Core {
         now: Duration::ZERO,
         engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
@@ -390,18 +398,13 @@ where
     for c in &mut comms {
         c.mark_left();
     }
-    collect(
+    Ok(collect(
         outcomes
             .into_iter()
-            .map(|o| {
-                o.unwrap_or((
-                    Err(Error::Stopped {
-                        rank: 0,
-                        cause: None,
-                    }),
-                    Duration::ZERO,
-                ))
+            .enumerate()
+            .map(|(rank, o)| {
+                o.unwrap_or((Err(Error::Stopped { rank, cause: None }), Duration::ZERO))
             })
             .collect(),
-    )
+    ))
 }

@@ -210,7 +210,7 @@ impl Grouping {
                 let radix = radices[digit];
                 let mut groups = Vec::new();
                 for r in 0..self.ranks {
-                    if (r / stride) % radix == 0 {
+                    if (r / stride).is_multiple_of(radix) {
                         groups.push(
                             (0..radix)
                                 .map(|d| r + d * stride)
@@ -320,7 +320,7 @@ fn balanced_factorization(p: usize, m: usize, s: usize) -> Option<Vec<usize>> {
             return false;
         }
         for d in (2..=cap.min(p)).rev() {
-            if p % d == 0 {
+            if p.is_multiple_of(d) {
                 cur.push(d);
                 if find(p / d, m - 1, d, cur) {
                     return true;

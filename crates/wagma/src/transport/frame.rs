@@ -19,6 +19,8 @@ const CONTRIBUTION_BYTES: usize = 12;
 const FLAG_VIRTUAL: u8 = 1;
 /// Largest chunk read at once into a payload.
 const CHUNK: usize = 1 << 22;
+/// Payloads up to this many bytes get their whole buffer reserved before reading.
+const RESERVE_LIMIT: usize = 1 << 28;
 
 #[cfg(target_endian = "big")]
 compile_error!(
@@ -29,8 +31,8 @@ compile_error!(
 pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), TransportError> {
     let n = env.meta.contributions.len();
     let payload_bytes = match &env.data {
-        Payload::Data(v) => v.len() * 4,
         Payload::Size(_) => 8,
+        data => data.len() * 4,
     };
     let body = (HEADER_BYTES + n * CONTRIBUTION_BYTES + payload_bytes) as u64;
     if body > max || body > u64::from(u32::MAX) {
@@ -60,13 +62,14 @@ pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), 
     }
     let io = |e: std::io::Error| TransportError::io("writing a frame", &e);
     match &env.data {
-        Payload::Data(v) => {
-            w.write_all(&head).map_err(io)?;
-            w.write_all(bytemuck::cast_slice(v)).map_err(io)?;
-        }
         Payload::Size(len) => {
             head.extend_from_slice(&(*len as u64).to_le_bytes());
             w.write_all(&head).map_err(io)?;
+        }
+        data => {
+            w.write_all(&head).map_err(io)?;
+            w.write_all(bytemuck::cast_slice(data.as_slice()))
+                .map_err(io)?;
         }
     }
     w.flush().map_err(io)
@@ -144,13 +147,19 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
                 .map_err(|_| TransportError::Malformed("virtual length overflows".into()))?,
         )
     } else {
-        if payload_bytes % 4 != 0 {
+        if !payload_bytes.is_multiple_of(4) {
             return Err(TransportError::Malformed(format!(
                 "payload of {payload_bytes} bytes is not whole f32s"
             )));
         }
         let count = payload_bytes / 4;
-        let mut v: Vec<f32> = Vec::with_capacity(count.min(CHUNK / 4));
+        // Reserve up front (recycled when possible) unless the announced size is huge; memory
+        // is touched only as bytes arrive.
+        let mut v: Vec<f32> = if payload_bytes <= RESERVE_LIMIT {
+            crate::payload::pool::take(count)
+        } else {
+            Vec::with_capacity(CHUNK / 4)
+        };
         while v.len() < count {
             let at = v.len();
             let take = (count - at).min(CHUNK / 4);

@@ -1,0 +1,400 @@
+//! `wagma bench collectives`: every collective and algorithm, median time and bandwidth, next
+//! to a memcpy of the same buffer measured in the same run.
+
+use std::io::{BufRead, BufReader};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Args as ClapArgs, ValueEnum};
+use comfy_table::Table;
+use serde::{Deserialize, Serialize};
+use wagma::engine::{ContributionMode, ReadMode, Trigger};
+use wagma::exec::threaded;
+use wagma::schedule::{self, AlgorithmChoice, AllreduceAlgorithm};
+use wagma::topology::{Grouping, GroupingKind, default_group_size, ring_neighbors};
+use wagma::transport::tcp::TcpConfig;
+use wagma::{Comm, EngineConfig, Payload, StreamConfig, block_on};
+
+use super::median;
+use crate::local::LocalJob;
+
+/// Set in the processes a TCP benchmark starts.
+const WORKER: &str = "WAGMA_BENCH_WORKER";
+/// Prefix of the result line a TCP worker prints.
+const RESULT: &str = "WAGMA-BENCH-RESULT ";
+
+/// Where the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// Threads of this process.
+    Mem,
+    /// Processes on loopback, started by this command.
+    Tcp,
+}
+
+/// Options of `wagma bench collectives`.
+#[derive(ClapArgs, Debug, Clone, Serialize, Deserialize)]
+pub struct Args {
+    /// Transport.
+    #[arg(long, value_enum, default_value_t = TransportKind::Mem)]
+    pub transport: TransportKind,
+    /// Number of ranks P.
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Group size S (default: sqrt(P) rounded up to a power of two).
+    #[arg(long)]
+    pub group_size: Option<usize>,
+    /// Elements (f32) per buffer.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub elements: usize,
+    /// Measured repetitions per collective.
+    #[arg(long, default_value_t = 10)]
+    pub reps: usize,
+    /// Unmeasured warm-up repetitions.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured line.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    /// What was measured.
+    pub collective: String,
+    /// Algorithm.
+    pub algorithm: String,
+    /// Ranks taking part in one instance.
+    pub members: usize,
+    /// Median seconds (slowest rank per repetition).
+    pub median_s: f64,
+    /// Bytes of the buffer over the median time, in GB/s.
+    pub gb_per_s: f64,
+    /// Bandwidth relative to the memcpy of the same buffer.
+    pub vs_memcpy: f64,
+    /// Messages each rank sends (rank 0).
+    pub messages_per_rank: usize,
+    /// Payload bytes each rank sends (rank 0).
+    pub bytes_per_rank: usize,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// Options.
+    pub args: Args,
+    /// Group size used.
+    pub group_size: usize,
+    /// Bytes of one buffer.
+    pub buffer_bytes: usize,
+    /// memcpy of the same buffer, GB/s.
+    pub memcpy_gb_per_s: f64,
+    /// Measurements.
+    pub rows: Vec<Row>,
+}
+
+struct Case {
+    name: &'static str,
+    algorithm: Option<AllreduceAlgorithm>,
+}
+
+const CASES: [Case; 6] = [
+    Case {
+        name: "allreduce",
+        algorithm: Some(AllreduceAlgorithm::RecursiveDoubling),
+    },
+    Case {
+        name: "allreduce",
+        algorithm: Some(AllreduceAlgorithm::ReduceScatterAllgather),
+    },
+    Case {
+        name: "group-allreduce",
+        algorithm: Some(AllreduceAlgorithm::RecursiveDoubling),
+    },
+    Case {
+        name: "group-allreduce",
+        algorithm: Some(AllreduceAlgorithm::ReduceScatterAllgather),
+    },
+    Case {
+        name: "wait-avoiding-round",
+        algorithm: None,
+    },
+    Case {
+        name: "neighbour-exchange",
+        algorithm: None,
+    },
+];
+
+fn algo_name(a: Option<AllreduceAlgorithm>) -> String {
+    match a {
+        Some(AllreduceAlgorithm::RecursiveDoubling) => "recursive-doubling".into(),
+        Some(AllreduceAlgorithm::ReduceScatterAllgather) => "reduce-scatter-allgather".into(),
+        Some(AllreduceAlgorithm::Auto) | None => "auto".into(),
+    }
+}
+
+/// Runs the benchmark (or, in a process started by it, one TCP rank).
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    let s = args
+        .group_size
+        .unwrap_or_else(|| default_group_size(args.ranks));
+    Grouping::new(args.ranks, s, GroupingKind::Butterfly)?;
+    if std::env::var_os(WORKER).is_some() {
+        return tcp_worker(&args, s);
+    }
+    let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
+    let times = match args.transport {
+        TransportKind::Mem => {
+            let a = args.clone();
+            threaded::run(args.ranks, engine_config(), async move |c: &mut Comm| {
+                measure(c, &a, s).await
+            })?
+            .into_all()?
+            .swap_remove(0)
+        }
+        TransportKind::Tcp => tcp_parent(&args)?,
+    };
+    let report = build_report(&args, s, memcpy, times);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn engine_config() -> EngineConfig {
+    EngineConfig {
+        timeout: std::time::Duration::from_secs(600),
+        ..EngineConfig::default()
+    }
+}
+
+fn memcpy_gb_per_s(n: usize, reps: usize) -> f64 {
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let mut times: Vec<f64> = (0..reps + 1)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .skip(1)
+        .collect();
+    (n * 4) as f64 / median(&mut times) / 1e9
+}
+
+/// Per case, the median over repetitions of the slowest rank's time.
+async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma::Error> {
+    let (p, rank, n) = (c.size(), c.rank(), args.elements);
+    let grouping = Grouping::new(p, s, GroupingKind::Butterfly)?;
+    let everyone: Vec<usize> = (0..p).collect();
+    let group = grouping.group_of(rank, 0);
+    let mut data = Payload::Data(vec![1.0; n]);
+    let mut seq = 1u64 << 32;
+    let mut medians = Vec::with_capacity(CASES.len());
+    c.open_stream(StreamConfig {
+        group_size: s,
+        grouping: GroupingKind::Fixed,
+        trigger: Trigger::Solo,
+        mode: ContributionMode::Model,
+        read: ReadMode::Exact,
+        sync_period: None,
+        initial: Payload::Data(vec![0.0; n]),
+        initial_steps: 0,
+    })
+    .await?;
+    let mut round = 0u64;
+    for case in &CASES {
+        let mut times = Vec::with_capacity(args.reps);
+        for rep in 0..args.warmup + args.reps {
+            c.barrier().await?;
+            let t0 = Instant::now();
+            let choice = AlgorithmChoice {
+                algorithm: case.algorithm.unwrap_or_default(),
+                ..AlgorithmChoice::default()
+            };
+            seq += 1;
+            let (out, dt) = match case.name {
+                "allreduce" => {
+                    let d = c
+                        .allreduce_with(&everyone, seq, data, 0, &choice)
+                        .await?
+                        .data;
+                    (d, t0.elapsed())
+                }
+                "group-allreduce" => {
+                    let d = c.allreduce_with(&group, seq, data, 0, &choice).await?.data;
+                    (d, t0.elapsed())
+                }
+                "wait-avoiding-round" => {
+                    let r = c.arrive(round, data, round + 1).await?;
+                    let dt = t0.elapsed();
+                    round += 1;
+                    // The stream keeps the published buffer; the next contribution is a copy
+                    // of the shared result, taken outside the timed region.
+                    let next = r.sum.duplicate();
+                    r.recycle();
+                    (next, dt)
+                }
+                _ => {
+                    let nb = ring_neighbors(rank, p);
+                    let d = c.exchange(seq, &nb, &nb, data, 0.0, 0).await?.data;
+                    (d, t0.elapsed())
+                }
+            };
+            data = out;
+            let dt = dt.as_secs_f64();
+            // Keep values bounded without timing it.
+            data.scale(1.0 / p as f32);
+            let mut all = vec![0.0f32; p];
+            all[rank] = dt as f32;
+            let all = c.allreduce(Payload::Data(all)).await?;
+            if rep >= args.warmup {
+                times.push(all.as_slice().iter().copied().fold(0.0f32, f32::max) as f64);
+            }
+        }
+        medians.push(median(&mut times));
+    }
+    Ok(medians)
+}
+
+fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
+    let p = args.ranks;
+    let bytes = args.elements * 4;
+    let grouping = Grouping::new(p, s, GroupingKind::Butterfly).ok();
+    let group = grouping
+        .map(|g| g.group_of(0, 0))
+        .unwrap_or_else(|| vec![0]);
+    let everyone: Vec<usize> = (0..p).collect();
+    let rows = CASES
+        .iter()
+        .zip(times)
+        .map(|(case, t)| {
+            let choice = AlgorithmChoice {
+                algorithm: case.algorithm.unwrap_or_default(),
+                ..AlgorithmChoice::default()
+            };
+            let (members, sched) = match case.name {
+                "allreduce" => (p, schedule::allreduce(0, &everyone, args.elements, &choice)),
+                "neighbour-exchange" => {
+                    let nb = ring_neighbors(0, p);
+                    (nb.len() + 1, schedule::exchange(&nb, &nb, args.elements))
+                }
+                _ => (
+                    group.len(),
+                    schedule::allreduce(0, &group, args.elements, &choice),
+                ),
+            };
+            let cost = sched.cost();
+            let gb = bytes as f64 / t / 1e9;
+            Row {
+                collective: case.name.into(),
+                algorithm: algo_name(case.algorithm),
+                members,
+                median_s: t,
+                gb_per_s: gb,
+                vs_memcpy: gb / memcpy,
+                messages_per_rank: cost.messages,
+                bytes_per_rank: cost.bytes,
+            }
+        })
+        .collect();
+    Report {
+        args: args.clone(),
+        group_size: s,
+        buffer_bytes: bytes,
+        memcpy_gb_per_s: memcpy,
+        rows,
+    }
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "{} ranks over {:?}, group size {}, buffer {:.1} MiB; memcpy of the buffer: {:.2} GB/s",
+        r.args.ranks,
+        r.args.transport,
+        r.group_size,
+        r.buffer_bytes as f64 / (1 << 20) as f64,
+        r.memcpy_gb_per_s
+    );
+    let mut t = Table::new();
+    t.set_header(vec![
+        "collective",
+        "algorithm",
+        "members",
+        "median ms",
+        "GB/s",
+        "x memcpy",
+        "msgs/rank",
+        "MiB/rank",
+    ]);
+    for row in &r.rows {
+        t.add_row(vec![
+            row.collective.clone(),
+            row.algorithm.clone(),
+            row.members.to_string(),
+            format!("{:.2}", row.median_s * 1e3),
+            format!("{:.3}", row.gb_per_s),
+            format!("{:.3}", row.vs_memcpy),
+            row.messages_per_rank.to_string(),
+            format!("{:.1}", row.bytes_per_rank as f64 / (1 << 20) as f64),
+        ]);
+    }
+    println!("{t}");
+}
+
+/// Starts the P processes on loopback and collects rank 0's measurements.
+fn tcp_parent(args: &Args) -> anyhow::Result<Vec<f64>> {
+    let exe = std::env::current_exe().context("locating the wagma binary")?;
+    let mut argv: Vec<String> = vec![
+        "bench".into(),
+        "collectives".into(),
+        "--ranks".into(),
+        args.ranks.to_string(),
+        "--elements".into(),
+        args.elements.to_string(),
+        "--reps".into(),
+        args.reps.to_string(),
+        "--warmup".into(),
+        args.warmup.to_string(),
+    ];
+    if let Some(s) = args.group_size {
+        argv.extend(["--group-size".into(), s.to_string()]);
+    }
+    let mut job = LocalJob::spawn(args.ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
+    let mut result = None;
+    let out = job.children_mut()[0]
+        .stdout
+        .take()
+        .context("rank 0 has no stdout")?;
+    let reader = std::thread::spawn(move || {
+        BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.strip_prefix(RESULT).map(str::to_string))
+    });
+    job.wait(None)?;
+    if let Ok(Some(line)) = reader.join() {
+        result = Some(serde_json::from_str(&line)?);
+    }
+    result.context("rank 0 printed no result")
+}
+
+fn tcp_worker(args: &Args, s: usize) -> anyhow::Result<()> {
+    let tcp = TcpConfig::from_env()?;
+    let (mut c, engine) = threaded::connect_tcp(&tcp, engine_config())?;
+    let times = block_on(measure(&mut c, args, s))?;
+    block_on(c.finish())?;
+    let _ = engine.join();
+    if tcp.rank == 0 {
+        println!("{RESULT}{}", serde_json::to_string(&times)?);
+    }
+    Ok(())
+}

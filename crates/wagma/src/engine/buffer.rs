@@ -1,0 +1,193 @@
+//! The working buffer of a running schedule, kept as segments so that sends are views (no
+//! copy), received ranges are moved in (no copy) and a reduction writes a fresh segment while
+//! peers may still be reading the old one.
+
+use std::ops::Range;
+
+use crate::Rank;
+use crate::payload::{Payload, pool};
+
+/// Segments that tile `0..len` in order.
+pub(super) struct WorkBuf {
+    len: usize,
+    segs: Vec<(Range<usize>, Payload)>,
+}
+
+impl WorkBuf {
+    pub fn new(p: Payload) -> WorkBuf {
+        let len = p.len();
+        WorkBuf {
+            len,
+            segs: vec![(0..len, p)],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A read-only view of `range` for a send.
+    pub fn view(&mut self, range: Range<usize>) -> Payload {
+        if let Some((r, p)) = self
+            .segs
+            .iter_mut()
+            .find(|(r, _)| r.start <= range.start && range.end <= r.end)
+        {
+            let at = r.start;
+            return p.view(range.start - at..range.end - at);
+        }
+        self.materialize();
+        self.segs[0].1.view(range)
+    }
+
+    /// Joins the segments into one owned buffer.
+    fn materialize(&mut self) {
+        if self.segs.len() == 1 {
+            return;
+        }
+        let virtual_ = self.segs.iter().any(|(_, p)| p.is_virtual());
+        let joined = if virtual_ {
+            Payload::Size(self.len)
+        } else {
+            let mut v = pool::take(self.len);
+            for (_, p) in &self.segs {
+                v.extend_from_slice(p.as_slice());
+            }
+            Payload::Data(v)
+        };
+        for (_, p) in self.segs.drain(..) {
+            p.recycle();
+        }
+        self.segs.push((0..self.len, joined));
+    }
+
+    /// This rank's part of `range`: the segment itself when it is exactly `range` (and
+    /// whether it may be written in place), a view otherwise.
+    fn part(&mut self, range: &Range<usize>) -> (Payload, bool) {
+        if let Some(i) = self.segs.iter().position(|(r, _)| r == range) {
+            let (_, p) = self.segs.remove(i);
+            let exclusive = matches!(p, Payload::Data(_));
+            return (p, exclusive);
+        }
+        (self.view(range.clone()), false)
+    }
+
+    /// Sets `range` to the sum of this rank's values and `others`, folded left in ascending
+    /// rank order: `((x_a + x_b) + x_c) + ...`.
+    pub fn sum(&mut self, rank: Rank, range: Range<usize>, others: Vec<(Rank, Payload)>) {
+        if others.is_empty() {
+            return;
+        }
+        let (mine, exclusive) = self.part(&range);
+        let mut items = others;
+        items.push((rank, mine));
+        items.sort_by_key(|(r, _)| *r);
+        let own = items.iter().position(|(r, _)| *r == rank).unwrap_or(0);
+        let result = if exclusive && own <= 1 {
+            // (a + b) == (b + a) bit for bit: add into our own buffer.
+            let (_, mut acc) = items.remove(own);
+            for (_, p) in items {
+                acc.add(&p);
+                p.recycle();
+            }
+            acc
+        } else {
+            let mut it = items.into_iter();
+            let first = it.next().map(|(_, p)| p).unwrap_or_default();
+            match it.next() {
+                None => first,
+                Some((_, second)) => {
+                    let mut acc = Payload::sum_of(&first, &second);
+                    first.recycle();
+                    second.recycle();
+                    for (_, p) in it {
+                        acc.add(&p);
+                        p.recycle();
+                    }
+                    acc
+                }
+            }
+        };
+        self.replace(range, result);
+    }
+
+    /// Sets `range` to `p` (moved in, no copy).
+    pub fn replace(&mut self, range: Range<usize>, p: Payload) {
+        if range.is_empty() {
+            return;
+        }
+        let mut out = Vec::with_capacity(self.segs.len() + 2);
+        for (r, mut seg) in self.segs.drain(..) {
+            if r.end <= range.start || r.start >= range.end {
+                out.push((r, seg));
+                continue;
+            }
+            if r.start < range.start {
+                out.push((r.start..range.start, seg.view(0..range.start - r.start)));
+            }
+            if r.end > range.end {
+                out.push((
+                    range.end..r.end,
+                    seg.view(range.end - r.start..r.end - r.start),
+                ));
+            }
+            seg.recycle();
+        }
+        out.push((range, p));
+        out.sort_by_key(|(r, _)| r.start);
+        self.segs = out;
+    }
+
+    /// The whole buffer.
+    pub fn finish(mut self) -> Payload {
+        self.materialize();
+        self.segs
+            .pop()
+            .map(|(_, p)| p)
+            .unwrap_or_else(|| Payload::Data(Vec::new()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_in_rank_order_and_tiles() {
+        let mut b = WorkBuf::new(Payload::Data(vec![1.0, 2.0, 3.0, 4.0]));
+        let sent = b.view(2..4);
+        b.sum(
+            1,
+            0..2,
+            vec![
+                (0, Payload::Data(vec![10.0, 20.0])),
+                (2, Payload::Data(vec![100.0, 200.0])),
+            ],
+        );
+        b.replace(2..4, Payload::Data(vec![7.0, 8.0]));
+        assert_eq!(sent.as_slice(), &[3.0, 4.0]);
+        assert_eq!(b.finish().as_slice(), &[111.0, 222.0, 7.0, 8.0]);
+        let mut b = WorkBuf::new(Payload::Size(6));
+        b.sum(0, 0..6, vec![(1, Payload::Size(6))]);
+        assert_eq!(b.finish(), Payload::Size(6));
+    }
+
+    #[test]
+    fn left_fold_matches_sequential_order() {
+        let xs = [0.1f32, 1e8, -1e8, 0.3];
+        let want = ((xs[0] + xs[1]) + xs[2]) + xs[3];
+        for me in 0..4 {
+            let mut b = WorkBuf::new(Payload::Data(vec![xs[me]]));
+            let others = (0..4)
+                .filter(|&r| r != me)
+                .map(|r| (r, Payload::Data(vec![xs[r]])))
+                .collect();
+            b.sum(me, 0..1, others);
+            assert_eq!(
+                b.finish().as_slice()[0].to_bits(),
+                want.to_bits(),
+                "rank {me}"
+            );
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Multi-process tests over TCP on loopback. The test binary re-executes itself as the worker
+//! processes (the `tcp_worker` test does nothing unless the worker environment is set).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use wagma::engine::{ContributionMode, ReadMode, Trigger};
+use wagma::exec::threaded;
+use wagma::topology::{Grouping, GroupingKind};
+use wagma::transport::tcp::{Credentials, TcpConfig, env};
+use wagma::{EngineConfig, Error, Payload, block_on};
+
+const ROLE: &str = "WAGMA_TEST_TCP_ROLE";
+const TIMEOUT: &str = "WAGMA_TEST_TIMEOUT_S";
+
+#[test]
+fn tcp_worker() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let code = match worker(&role) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("WORKER-ERROR: {e}");
+            3
+        }
+    };
+    std::process::exit(code);
+}
+
+fn worker(role: &str) -> Result<(), Error> {
+    let tcp = TcpConfig::from_env()?;
+    let timeout = std::env::var(TIMEOUT)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let cfg = EngineConfig {
+        timeout: Duration::from_secs(timeout),
+        ..EngineConfig::default()
+    };
+    let (mut c, engine) = threaded::connect_tcp(&tcp, cfg)?;
+    println!("READY {}", c.rank());
+    std::io::stdout().flush().ok();
+    let (p, rank) = (c.size(), c.rank());
+    let result = block_on(async {
+        match role {
+            "collectives" => {
+                for len in [0usize, 5, 100_000] {
+                    let got = c
+                        .allreduce(Payload::Data(model(rank, len as u64, len)))
+                        .await?;
+                    let want: Vec<f64> = (0..len)
+                        .map(|i| (0..p).map(|r| value(r, len as u64, i) as f64).sum())
+                        .collect();
+                    assert!(close(got.as_slice(), &want), "global allreduce of {len}");
+                }
+                let (s, tau, len) = (2, Some(3), 1000);
+                let g = Grouping::new(p, s, GroupingKind::Butterfly)?;
+                let mut cfg = stream(
+                    s,
+                    GroupingKind::Butterfly,
+                    Trigger::Solo,
+                    ContributionMode::Model,
+                    ReadMode::Latest,
+                    tau,
+                    vec![],
+                );
+                cfg.initial = Payload::Data(model(rank, 0, len));
+                c.open_stream(cfg).await?;
+                for t in 0..12u64 {
+                    c.compute(ms(((rank as u64 * 7 + t * 3) % 5) * 3)).await;
+                    let r = c
+                        .arrive(t, Payload::Data(model(rank, t + 1, len)), t + 1)
+                        .await?;
+                    check_round(rank, &r, &g, tau, len);
+                }
+                Ok(())
+            }
+            "long" => {
+                let mut x = Payload::Data(vec![1.0; 1000]);
+                for _ in 0..600 {
+                    c.compute(ms(50)).await;
+                    x = c.allreduce(x).await?;
+                    x.scale(1.0 / p as f32);
+                }
+                Ok(())
+            }
+            other => panic!("unknown role {other}"),
+        }
+    });
+    match result {
+        Ok(()) => {
+            block_on(c.finish())?;
+            let _ = engine.join();
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Job {
+    children: Vec<Child>,
+    ready: mpsc::Receiver<usize>,
+    rendezvous: String,
+}
+
+fn spawn_one(
+    rank: usize,
+    p: usize,
+    role: &str,
+    rdv: &str,
+    timeout_s: u64,
+    tx: mpsc::Sender<usize>,
+) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tcp_worker", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(TIMEOUT, timeout_s.to_string())
+        .env(env::RANK, rank.to_string())
+        .env(env::WORLD_SIZE, p.to_string())
+        .env(env::RENDEZVOUS, rdv)
+        .env(env::JOB_ID, "tcp-test")
+        .env(env::SECRET, "correct horse")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.contains("READY") {
+                let _ = tx.send(rank);
+            }
+        }
+    });
+    child
+}
+
+impl Job {
+    fn start(p: usize, role: &str, timeout_s: u64, before_others: impl FnOnce(&str)) -> Job {
+        let rendezvous = format!("127.0.0.1:{}", free_port());
+        let (tx, ready) = mpsc::channel();
+        let mut children = vec![spawn_one(0, p, role, &rendezvous, timeout_s, tx.clone())];
+        before_others(&rendezvous);
+        for rank in 1..p {
+            children.push(spawn_one(rank, p, role, &rendezvous, timeout_s, tx.clone()));
+        }
+        Job {
+            children,
+            ready,
+            rendezvous,
+        }
+    }
+
+    /// Waits for every child; returns (exit code, stderr) per rank and the time taken.
+    fn wait(mut self, limit: Duration) -> Vec<(Option<i32>, String)> {
+        let deadline = Instant::now() + limit;
+        let mut out = vec![None; self.children.len()];
+        while out.iter().any(Option::is_none) {
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if out[i].is_none()
+                    && let Some(status) = c.try_wait().unwrap()
+                {
+                    let mut err = String::new();
+                    c.stderr.take().unwrap().read_to_string(&mut err).ok();
+                    out[i] = Some((status.code(), err));
+                }
+            }
+            if Instant::now() > deadline {
+                for c in &mut self.children {
+                    let _ = c.kill();
+                }
+                panic!("the job did not end within {limit:?}: {out:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        out.into_iter().map(Option::unwrap).collect()
+    }
+}
+
+/// Connects like a rank would, with the wrong secret.
+fn intruder(rdv: &str) -> wagma::error::TransportError {
+    let mut cfg = TcpConfig::new(
+        1,
+        4,
+        rdv,
+        Credentials {
+            job_id: "tcp-test".into(),
+            secret: b"guess".to_vec(),
+        },
+    );
+    cfg.connect_timeout = Duration::from_secs(10);
+    let (tx, _rx) = crossbeam_channel::unbounded();
+    match wagma::transport::tcp::connect(&cfg, tx) {
+        Ok(_) => panic!("a wrong secret must be refused"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn four_processes_agree_with_the_reference_and_refuse_intruders() {
+    let mut refused = None;
+    let job = Job::start(4, "collectives", 30, |rdv| {
+        // Garbage bytes on the rendezvous port, then a peer with the wrong secret.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut s = loop {
+            match std::net::TcpStream::connect(rdv) {
+                Ok(s) => break s,
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) => panic!("rank 0 never listened: {e}"),
+            }
+        };
+        s.write_all(&[0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+            .unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+        refused = Some(intruder(rdv));
+    });
+    let rendezvous = job.rendezvous.clone();
+    let results = job.wait(Duration::from_secs(120));
+    for (rank, (code, err)) in results.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank} failed: {err}");
+    }
+    let refused = refused.unwrap();
+    assert!(
+        matches!(refused, wagma::error::TransportError::Handshake(_)),
+        "{refused}"
+    );
+    assert!(rendezvous.starts_with("127.0.0.1:"));
+}
+
+#[test]
+fn killing_a_process_fails_every_survivor_naming_it() {
+    let timeout_s = 5;
+    let mut job = Job::start(4, "long", timeout_s, |_| {});
+    for _ in 0..4 {
+        job.ready
+            .recv_timeout(Duration::from_secs(60))
+            .expect("ranks connect");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    job.children[2].kill().unwrap();
+    let killed_at = Instant::now();
+    let results = job.wait(Duration::from_secs(timeout_s + 30));
+    let took = killed_at.elapsed();
+    assert!(
+        took < Duration::from_secs(timeout_s + 5),
+        "survivors took {took:?}"
+    );
+    for (rank, (code, err)) in results.iter().enumerate() {
+        if rank == 2 {
+            continue;
+        }
+        assert_eq!(*code, Some(3), "rank {rank} should fail: {err}");
+        assert!(
+            err.contains("peer 2"),
+            "rank {rank} must name the dead peer: {err}"
+        );
+    }
+}
