@@ -10,11 +10,16 @@
 //! * [`transport`]: tagged messages between ranks ([`transport::mem`], [`transport::tcp`]);
 //! * [`engine`]: the per-rank progress engine (wait-avoiding rounds, syncs, timeouts);
 //! * [`exec`]: executors of the engines and the compute side's [`Comm`]: threads over a real
-//!   transport, or a deterministic virtual-time scheduler.
+//!   transport, or a deterministic virtual-time scheduler;
+//! * [`algo`]: WAGMA-SGD and the baselines as policies over flat buffers, driven by a
+//!   [`algo::Worker`], with the local optimizer;
+//! * [`imbalance`]: load-imbalance profiles of the paper's workloads.
 
+pub mod algo;
 pub mod engine;
 pub mod error;
 pub mod exec;
+pub mod imbalance;
 pub mod payload;
 pub mod schedule;
 pub mod topology;

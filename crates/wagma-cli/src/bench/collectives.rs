@@ -1,37 +1,19 @@
 //! `wagma bench collectives`: every collective and algorithm, median time and bandwidth, next
 //! to a memcpy of the same buffer measured in the same run.
 
-use std::io::{BufRead, BufReader};
 use std::time::Instant;
 
-use anyhow::{Context, bail};
-use clap::{Args as ClapArgs, ValueEnum};
+use anyhow::bail;
+use clap::Args as ClapArgs;
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
 use wagma::engine::{ContributionMode, ReadMode, Trigger};
 use wagma::exec::threaded;
 use wagma::schedule::{self, AlgorithmChoice, AllreduceAlgorithm};
 use wagma::topology::{Grouping, GroupingKind, default_group_size, ring_neighbors};
-use wagma::transport::tcp::TcpConfig;
-use wagma::{Comm, EngineConfig, Payload, StreamConfig, block_on};
+use wagma::{Comm, EngineConfig, Payload, StreamConfig};
 
-use super::median;
-use crate::local::LocalJob;
-
-/// Set in the processes a TCP benchmark starts.
-const WORKER: &str = "WAGMA_BENCH_WORKER";
-/// Prefix of the result line a TCP worker prints.
-const RESULT: &str = "WAGMA-BENCH-RESULT ";
-
-/// Where the ranks run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportKind {
-    /// Threads of this process.
-    Mem,
-    /// Processes on loopback, started by this command.
-    Tcp,
-}
+use super::{TransportKind, median};
 
 /// Options of `wagma bench collectives`.
 #[derive(ClapArgs, Debug, Clone, Serialize, Deserialize)]
@@ -144,7 +126,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .group_size
         .unwrap_or_else(|| default_group_size(args.ranks));
     Grouping::new(args.ranks, s, GroupingKind::Butterfly)?;
-    if std::env::var_os(WORKER).is_some() {
+    if super::is_worker() {
         return tcp_worker(&args, s);
     }
     let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
@@ -157,7 +139,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .into_all()?
             .swap_remove(0)
         }
-        TransportKind::Tcp => tcp_parent(&args)?,
+        TransportKind::Tcp => super::run_tcp_workers(args.ranks)?,
     };
     let report = build_report(&args, s, memcpy, times);
     if args.json {
@@ -350,51 +332,8 @@ fn print_table(r: &Report) {
     println!("{t}");
 }
 
-/// Starts the P processes on loopback and collects rank 0's measurements.
-fn tcp_parent(args: &Args) -> anyhow::Result<Vec<f64>> {
-    let exe = std::env::current_exe().context("locating the wagma binary")?;
-    let mut argv: Vec<String> = vec![
-        "bench".into(),
-        "collectives".into(),
-        "--ranks".into(),
-        args.ranks.to_string(),
-        "--elements".into(),
-        args.elements.to_string(),
-        "--reps".into(),
-        args.reps.to_string(),
-        "--warmup".into(),
-        args.warmup.to_string(),
-    ];
-    if let Some(s) = args.group_size {
-        argv.extend(["--group-size".into(), s.to_string()]);
-    }
-    let mut job = LocalJob::spawn(args.ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
-    let mut result = None;
-    let out = job.children_mut()[0]
-        .stdout
-        .take()
-        .context("rank 0 has no stdout")?;
-    let reader = std::thread::spawn(move || {
-        BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| l.strip_prefix(RESULT).map(str::to_string))
-    });
-    job.wait(None)?;
-    if let Ok(Some(line)) = reader.join() {
-        result = Some(serde_json::from_str(&line)?);
-    }
-    result.context("rank 0 printed no result")
-}
-
 fn tcp_worker(args: &Args, s: usize) -> anyhow::Result<()> {
-    let tcp = TcpConfig::from_env()?;
-    let (mut c, engine) = threaded::connect_tcp(&tcp, engine_config())?;
-    let times = block_on(measure(&mut c, args, s))?;
-    block_on(c.finish())?;
-    let _ = engine.join();
-    if tcp.rank == 0 {
-        println!("{RESULT}{}", serde_json::to_string(&times)?);
-    }
-    Ok(())
+    super::tcp_worker(engine_config(), async |c: &mut Comm| {
+        measure(c, args, s).await
+    })
 }

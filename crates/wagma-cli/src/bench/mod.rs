@@ -1,8 +1,34 @@
 //! `wagma bench ...`: benchmarks that compare side by side in one run and report ratios.
 
 mod collectives;
+mod imbalance;
 
-use clap::Subcommand;
+use std::io::{BufRead, BufReader};
+
+use anyhow::Context;
+use clap::{Subcommand, ValueEnum};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use wagma::exec::threaded;
+use wagma::transport::tcp::TcpConfig;
+use wagma::{Comm, EngineConfig, block_on};
+
+use crate::local::LocalJob;
+
+/// Set in the processes a TCP benchmark starts.
+const WORKER: &str = "WAGMA_BENCH_WORKER";
+/// Prefix of the result line rank 0 of a TCP benchmark prints.
+const RESULT: &str = "WAGMA-BENCH-RESULT ";
+
+/// Where the ranks of a benchmark run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// Threads of this process.
+    Mem,
+    /// Processes on loopback, started by this command.
+    Tcp,
+}
 
 /// Benchmarks.
 #[derive(Subcommand)]
@@ -10,13 +36,63 @@ pub enum Bench {
     /// Collectives (global and group allreduce, wait-avoiding round, neighbour exchange) next
     /// to a memcpy of the same buffer.
     Collectives(collectives::Args),
+    /// Every algorithm on the same emulated compute-time draws, with real communication:
+    /// throughput, waiting, staleness, next to the ideal and each algorithm's own bound.
+    Imbalance(imbalance::Args),
 }
 
 /// Runs a benchmark.
 pub fn run(b: Bench) -> anyhow::Result<()> {
     match b {
         Bench::Collectives(a) => collectives::run(a),
+        Bench::Imbalance(a) => imbalance::run(a),
     }
+}
+
+/// True in a process started by [`run_tcp_workers`].
+fn is_worker() -> bool {
+    std::env::var_os(WORKER).is_some()
+}
+
+/// Runs this very command as `ranks` local processes over TCP and returns what rank 0 reports.
+fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
+    let exe = std::env::current_exe().context("locating the wagma binary")?;
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut job = LocalJob::spawn(ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
+    let out = job.children_mut()[0]
+        .stdout
+        .take()
+        .context("rank 0 has no stdout")?;
+    let reader = std::thread::spawn(move || {
+        BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.strip_prefix(RESULT).map(str::to_string))
+    });
+    job.wait(None)?;
+    let line = reader
+        .join()
+        .ok()
+        .flatten()
+        .context("rank 0 printed no result")?;
+    Ok(serde_json::from_str(&line)?)
+}
+
+/// In a process started by [`run_tcp_workers`]: joins the job, runs `f`, and rank 0 prints
+/// the result for the parent.
+fn tcp_worker<T: Serialize>(
+    cfg: EngineConfig,
+    f: impl AsyncFnOnce(&mut Comm) -> Result<T, wagma::Error>,
+) -> anyhow::Result<()> {
+    let tcp = TcpConfig::from_env()?;
+    let (mut c, engine) = threaded::connect_tcp(&tcp, cfg)?;
+    let out = block_on(f(&mut c))?;
+    block_on(c.finish())?;
+    let _ = engine.join();
+    if tcp.rank == 0 {
+        println!("{RESULT}{}", serde_json::to_string(&out)?);
+    }
+    Ok(())
 }
 
 /// Median of `xs` (sorted in place).

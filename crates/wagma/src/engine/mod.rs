@@ -63,7 +63,8 @@ impl Default for EngineConfig {
 /// What the compute side asks of its engine.
 #[derive(Debug)]
 pub enum Request {
-    /// Open the wait-avoiding stream (every rank opens it with the same configuration).
+    /// Open the wait-avoiding stream (every rank opens it with the same configuration). Opening
+    /// it again, once every rank is done with it, starts a fresh stream.
     OpenStream(Box<StreamConfig>),
     /// Arrive at round `round` of the stream with a new contribution embodying `steps` local
     /// steps; answered with the round's (or a later round's) result.
@@ -175,7 +176,8 @@ pub struct Engine {
     running: Vec<Running>,
     unexpected: HashMap<(Tag, Rank), VecDeque<Envelope>>,
     stream: Option<Stream>,
-    early_activations: Vec<u64>,
+    opened_streams: u64,
+    early_activations: Vec<(u64, u64)>,
     passive: Option<Passive>,
     early_pairs: Vec<Envelope>,
     outstanding: BTreeMap<ReqId, Op>,
@@ -194,6 +196,7 @@ impl Engine {
             running: Vec::new(),
             unexpected: HashMap::new(),
             stream: None,
+            opened_streams: 0,
             early_activations: Vec::new(),
             passive: None,
             early_pairs: Vec::new(),
@@ -620,7 +623,9 @@ impl Engine {
                 }),
                 out,
             ),
-            Owner::Stream(round) => self.on_round_done(now, round, data, contributions, out),
+            Owner::Stream { epoch, round } => {
+                self.on_round_done(now, epoch, round, data, contributions, out)
+            }
         }
     }
 }

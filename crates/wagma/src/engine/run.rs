@@ -15,8 +15,13 @@ use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 pub(super) enum Owner {
     /// A request of the compute side.
     Request(ReqId),
-    /// Round (group or sync) of the wait-avoiding stream.
-    Stream(u64),
+    /// Round (group or sync) of the wait-avoiding stream of this epoch.
+    Stream {
+        /// The stream's epoch.
+        epoch: u64,
+        /// The round.
+        round: u64,
+    },
 }
 
 /// A schedule in progress.

@@ -216,6 +216,18 @@ impl Stream {
     }
 }
 
+/// Bits of a stream message's sequence number that hold the round; the bits above hold the
+/// stream's epoch, so that messages of a closed stream never match the next one.
+const ROUND_BITS: u32 = 48;
+
+fn stream_seq(epoch: u64, round: u64) -> u64 {
+    (epoch << ROUND_BITS) | (round & ((1 << ROUND_BITS) - 1))
+}
+
+fn split_seq(seq: u64) -> (u64, u64) {
+    (seq >> ROUND_BITS, seq & ((1 << ROUND_BITS) - 1))
+}
+
 /// The initiator of `round` under majority triggering: a hash of the shared seed and the round.
 pub fn initiator(seed: u64, round: u64, ranks: usize) -> Rank {
     // SplitMix64 finalizer: cheap, well mixed, identical on every rank.
@@ -233,11 +245,13 @@ impl Engine {
         cfg: StreamConfig,
         out: &mut Vec<Action>,
     ) -> Result<(), Error> {
-        if self.stream.is_some() {
+        if let Some(old) = &self.stream
+            && (old.waiter.is_some() || old.executing.is_some())
+        {
             return Err(Error::Protocol {
                 rank: self.rank,
                 op: Op::Other("open stream"),
-                detail: "the stream is already open".into(),
+                detail: "the previous stream still has a round in progress".into(),
             });
         }
         if cfg.sync_period == Some(0) {
@@ -263,10 +277,21 @@ impl Engine {
             results: BTreeMap::new(),
             waiter: None,
         });
-        for round in std::mem::take(&mut self.early_activations) {
-            self.activate(now, round, out);
+        self.opened_streams += 1;
+        let epoch = self.opened_streams - 1;
+        // Messages of earlier streams can no longer be used.
+        self.unexpected.retain(|(tag, _), _| {
+            !matches!(tag.kind, Kind::Round | Kind::Sync) || split_seq(tag.seq).0 >= epoch
+        });
+        for (e, round) in std::mem::take(&mut self.early_activations) {
+            self.activate(now, e, round, out);
         }
         Ok(())
+    }
+
+    /// Epoch of the open stream.
+    fn epoch(&self) -> u64 {
+        self.opened_streams.saturating_sub(1)
     }
 
     pub(super) fn arrive(
@@ -329,8 +354,9 @@ impl Engine {
                     Trigger::Lockstep => false,
                 };
                 if own {
+                    let seq = stream_seq(self.epoch(), round);
                     for e in tree_children(rank, rank, ranks, None) {
-                        self.send_activation(round, rank, e.rank, e.dim, out);
+                        self.send_activation(seq, rank, e.rank, e.dim, out);
                     }
                 }
                 let s = self.stream.as_mut().expect("checked above");
@@ -344,20 +370,13 @@ impl Engine {
         Ok(())
     }
 
-    fn send_activation(
-        &mut self,
-        round: u64,
-        root: Rank,
-        to: Rank,
-        dim: u32,
-        out: &mut Vec<Action>,
-    ) {
+    fn send_activation(&mut self, seq: u64, root: Rank, to: Rank, dim: u32, out: &mut Vec<Action>) {
         self.stats.activations_sent += 1;
         let env = Envelope {
             from: self.rank,
             tag: Tag {
                 kind: Kind::Activation,
-                seq: round,
+                seq,
                 step: dim as u16,
             },
             meta: Meta {
@@ -371,10 +390,11 @@ impl Engine {
 
     pub(super) fn on_activation(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
         let root = env.meta.aux as Rank;
+        let (epoch, round) = split_seq(env.tag.seq);
         if root >= self.ranks {
             let err = Error::Protocol {
                 rank: self.rank,
-                op: Op::Round(env.tag.seq),
+                op: Op::Round(round),
                 detail: format!("activation from peer {} names root {root}", env.from),
             };
             self.fail(err, out);
@@ -383,12 +403,18 @@ impl Engine {
         for e in tree_children(root, self.rank, self.ranks, Some(u32::from(env.tag.step))) {
             self.send_activation(env.tag.seq, root, e.rank, e.dim, out);
         }
-        self.activate(now, env.tag.seq, out);
+        self.activate(now, epoch, round, out);
     }
 
-    fn activate(&mut self, now: Time, round: u64, out: &mut Vec<Action>) {
+    fn activate(&mut self, now: Time, epoch: u64, round: u64, out: &mut Vec<Action>) {
+        if self.stream.is_none() || epoch > self.epoch() {
+            self.early_activations.push((epoch, round));
+            return;
+        }
+        if epoch < self.epoch() {
+            return;
+        }
         let Some(s) = self.stream.as_mut() else {
-            self.early_activations.push(round);
             return;
         };
         if round < s.next_round || s.executing == Some(round) || s.is_sync(round) {
@@ -453,12 +479,13 @@ impl Engine {
             self.stats.syncs += 1;
         }
         let schedule = allreduce(rank, &members, len, &algorithm);
+        let epoch = self.epoch();
         self.start(
             now,
-            Owner::Stream(round),
+            Owner::Stream { epoch, round },
             op,
             kind,
-            round,
+            stream_seq(epoch, round),
             schedule,
             data,
             0.0,
@@ -469,11 +496,16 @@ impl Engine {
     pub(super) fn on_round_done(
         &mut self,
         now: Time,
+        epoch: u64,
         round: u64,
         sum: Payload,
         members: Vec<Contribution>,
         out: &mut Vec<Action>,
     ) {
+        if epoch != self.epoch() {
+            sum.recycle();
+            return;
+        }
         let ranks = self.ranks;
         let Some(s) = self.stream.as_mut() else {
             return;

@@ -71,6 +71,16 @@ impl std::str::FromStr for GroupingKind {
     }
 }
 
+impl std::fmt::Display for GroupingKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GroupingKind::Butterfly => f.write_str("butterfly"),
+            GroupingKind::Fixed => f.write_str("fixed"),
+            GroupingKind::Random { seed } => write!(f, "random({seed})"),
+        }
+    }
+}
+
 /// The default group size: `2^ceil(log2(P)/2)`, sqrt(P) rounded up to a power of two, capped at
 /// P (P = 8: 4, P = 16: 4, P = 64: 8, P = 12: 4).
 pub fn default_group_size(ranks: usize) -> usize {

@@ -1,0 +1,295 @@
+//! Which algorithm, with which options.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+use crate::topology::{ExponentialGraph, Grouping, GroupingKind, default_group_size};
+
+/// How a WAGMA rank folds a group's sum into its model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum CombineRule {
+    /// The paper: `sum / |G|` when fresh, `(sum + own) / (|G| + 1)` when stale.
+    #[default]
+    Paper,
+    /// The authors' released code: always `(sum + own) / (|G| + 1)`.
+    Damped,
+}
+
+/// Whether the local step comes before or after the averaging.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    /// `W' = W + dW(W)`, then average `W'` (the paper's Algorithm 2).
+    #[default]
+    StepThenAverage,
+    /// Average `W`, then add `dW(W)` (the form the convergence proof models).
+    AverageThenStep,
+}
+
+/// Which eager-SGD collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum EagerMode {
+    /// The first arrival triggers each round.
+    #[default]
+    Solo,
+    /// A random initiator, drawn from a shared seed, triggers each round.
+    Majority,
+}
+
+/// WAGMA-SGD's options.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WagmaOptions {
+    /// Group size S (`None`: sqrt(P) rounded up to a power of two).
+    pub group_size: Option<usize>,
+    /// Global synchronization period tau (`None`: never).
+    pub tau: Option<u64>,
+    /// Combination rule.
+    pub combine: CombineRule,
+    /// Grouping.
+    pub groups: GroupingKind,
+    /// `false` turns the wait-avoiding group allreduce into a blocking one (every member waits
+    /// for the others): the paper's "beta" switch, and a lock-step configuration.
+    pub wait_avoiding: bool,
+}
+
+impl Default for WagmaOptions {
+    fn default() -> Self {
+        WagmaOptions {
+            group_size: None,
+            tau: Some(10),
+            combine: CombineRule::Paper,
+            groups: GroupingKind::Butterfly,
+            wait_avoiding: true,
+        }
+    }
+}
+
+/// A training algorithm.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "name")]
+pub enum Algorithm {
+    /// WAGMA-SGD.
+    Wagma(WagmaOptions),
+    /// Gradient allreduce (average over P), then the local step; everybody waits for everybody.
+    AllreduceSgd,
+    /// H local steps, then a global model average.
+    LocalSgd {
+        /// The period H.
+        period: u64,
+    },
+    /// Average with the two ring neighbours (1/3 each) every step.
+    DPsgd,
+    /// Asynchronous pairwise averaging between active and passive ranks.
+    AdPsgd,
+    /// Push-sum over the time-varying directed exponential graph.
+    Sgp {
+        /// Out-neighbours per iteration.
+        peers: usize,
+    },
+    /// Partial gradient allreduce triggered by the first arrival (solo) or a random initiator
+    /// (majority); late gradients are accumulated into a later round.
+    EagerSgd {
+        /// Solo or majority.
+        mode: EagerMode,
+        /// A blocking gradient allreduce every this many steps (bounds the lag; `None`: never).
+        sync_period: Option<u64>,
+    },
+}
+
+impl Algorithm {
+    /// Every algorithm's name, for listings.
+    pub const NAMES: [&'static str; 8] = [
+        "wagma",
+        "allreduce-sgd",
+        "local-sgd",
+        "d-psgd",
+        "ad-psgd",
+        "sgp",
+        "eager-sgd-solo",
+        "eager-sgd-majority",
+    ];
+
+    /// The algorithm called `name` with default options.
+    pub fn from_name(name: &str) -> Result<Algorithm, ConfigError> {
+        Ok(match name {
+            "wagma" | "wagma-sgd" => Algorithm::Wagma(WagmaOptions::default()),
+            "allreduce-sgd" | "allreduce" => Algorithm::AllreduceSgd,
+            "local-sgd" => Algorithm::LocalSgd { period: 1 },
+            "d-psgd" | "dpsgd" => Algorithm::DPsgd,
+            "ad-psgd" | "adpsgd" => Algorithm::AdPsgd,
+            "sgp" => Algorithm::Sgp { peers: 1 },
+            "eager-sgd" | "eager-sgd-solo" => Algorithm::EagerSgd {
+                mode: EagerMode::Solo,
+                sync_period: Some(32),
+            },
+            "eager-sgd-majority" => Algorithm::EagerSgd {
+                mode: EagerMode::Majority,
+                sync_period: Some(32),
+            },
+            _ => {
+                return Err(ConfigError::Invalid {
+                    what: "algorithm",
+                    detail: format!("{name:?} (expected one of {})", Algorithm::NAMES.join(", ")),
+                });
+            }
+        })
+    }
+
+    /// A short name with the options that matter.
+    pub fn label(&self) -> String {
+        match self {
+            Algorithm::Wagma(o) => {
+                let mut s = "wagma".to_string();
+                if let Some(g) = o.group_size {
+                    s += &format!(" S={g}");
+                }
+                s += &match o.tau {
+                    Some(t) => format!(" tau={t}"),
+                    None => " tau=never".into(),
+                };
+                if o.combine == CombineRule::Damped {
+                    s += " damped";
+                }
+                if o.groups != GroupingKind::Butterfly {
+                    s += &format!(" {}", o.groups);
+                }
+                if !o.wait_avoiding {
+                    s += " blocking";
+                }
+                s
+            }
+            Algorithm::AllreduceSgd => "allreduce-sgd".into(),
+            Algorithm::LocalSgd { period } => format!("local-sgd H={period}"),
+            Algorithm::DPsgd => "d-psgd".into(),
+            Algorithm::AdPsgd => "ad-psgd".into(),
+            Algorithm::Sgp { peers } => format!("sgp {peers}n"),
+            Algorithm::EagerSgd { mode, .. } => match mode {
+                EagerMode::Solo => "eager-sgd solo".into(),
+                EagerMode::Majority => "eager-sgd majority".into(),
+            },
+        }
+    }
+
+    /// Checks the options against the number of ranks.
+    pub fn validate(&self, ranks: usize) -> Result<(), ConfigError> {
+        if ranks == 0 {
+            return Err(ConfigError::ZeroRanks);
+        }
+        match self {
+            Algorithm::Wagma(o) => {
+                if o.tau == Some(0) {
+                    return Err(ConfigError::ZeroTau);
+                }
+                Grouping::new(
+                    ranks,
+                    o.group_size.unwrap_or_else(|| default_group_size(ranks)),
+                    o.groups,
+                )?;
+            }
+            Algorithm::LocalSgd { period: 0 } => return Err(ConfigError::ZeroPeriod),
+            Algorithm::Sgp { peers } => {
+                if ranks > 1 {
+                    ExponentialGraph::new(ranks, *peers)?;
+                } else if *peers != 0 {
+                    return Err(ConfigError::TooManyPeers {
+                        peers: *peers,
+                        ranks,
+                        max: 0,
+                    });
+                }
+            }
+            Algorithm::EagerSgd {
+                sync_period: Some(0),
+                ..
+            } => return Err(ConfigError::ZeroPeriod),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// What is averaged besides the trainable parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Scope {
+    /// Average non-trainable buffers (BatchNorm statistics).
+    pub average_buffers: bool,
+    /// Average the optimizer's momentum.
+    pub average_optimizer_state: bool,
+}
+
+impl Default for Scope {
+    fn default() -> Self {
+        Scope {
+            average_buffers: true,
+            average_optimizer_state: false,
+        }
+    }
+}
+
+/// An algorithm with its averaging scope and order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AlgoConfig {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Averaging scope.
+    pub scope: Scope,
+    /// Step and average order (model-averaging algorithms).
+    pub order: Order,
+    /// Seed shared by all ranks (eager-SGD majority's initiators).
+    pub seed: u64,
+}
+
+impl AlgoConfig {
+    /// `algorithm` with the default scope and order.
+    pub fn new(algorithm: Algorithm) -> AlgoConfig {
+        AlgoConfig {
+            algorithm,
+            scope: Scope::default(),
+            order: Order::default(),
+            seed: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configurations_are_typed_errors() {
+        assert_eq!(
+            Algorithm::LocalSgd { period: 0 }.validate(4),
+            Err(ConfigError::ZeroPeriod)
+        );
+        assert!(matches!(
+            Algorithm::Sgp { peers: 4 }.validate(4),
+            Err(ConfigError::TooManyPeers { .. })
+        ));
+        assert!(matches!(Algorithm::Sgp { peers: 3 }.validate(8), Ok(())));
+        let w = |tau, s| {
+            Algorithm::Wagma(WagmaOptions {
+                tau,
+                group_size: s,
+                ..WagmaOptions::default()
+            })
+        };
+        assert_eq!(w(Some(0), None).validate(8), Err(ConfigError::ZeroTau));
+        assert_eq!(
+            w(Some(4), Some(0)).validate(8),
+            Err(ConfigError::ZeroGroupSize)
+        );
+        assert!(matches!(
+            w(Some(4), Some(9)).validate(8),
+            Err(ConfigError::GroupSizeTooLarge { .. })
+        ));
+        assert!(matches!(
+            Algorithm::from_name("sgd++"),
+            Err(ConfigError::Invalid { .. })
+        ));
+        for n in Algorithm::NAMES {
+            Algorithm::from_name(n).unwrap().validate(8).unwrap();
+        }
+    }
+}
