@@ -67,11 +67,12 @@ fn solve(shards: &[Shard]) -> Vec<f64> {
             .max_by(|&x, &y| m[x][c].abs().total_cmp(&m[y][c].abs()))
             .unwrap();
         m.swap(c, piv);
-        for r in 0..D {
+        let pivot = m[c].clone();
+        for (r, row) in m.iter_mut().enumerate() {
             if r != c {
-                let f = m[r][c] / m[c][c];
-                for k in c..=D {
-                    m[r][k] -= f * m[c][k];
+                let f = row[c] / pivot[c];
+                for (x, p) in row.iter_mut().zip(&pivot).skip(c) {
+                    *x -= f * p;
                 }
             }
         }
