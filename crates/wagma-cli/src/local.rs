@@ -2,6 +2,7 @@
 //! rendezvous environment, wait for them, name the first rank that failed.
 
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -80,8 +81,19 @@ impl LocalJob {
 
     /// Waits for every process (killing all after `limit`); fails naming the first rank that
     /// exited unsuccessfully.
-    pub fn wait(mut self, limit: Option<Duration>) -> anyhow::Result<Vec<ExitStatus>> {
+    pub fn wait(self, limit: Option<Duration>) -> anyhow::Result<Vec<ExitStatus>> {
+        self.wait_or_stop(limit, &AtomicBool::new(false))
+    }
+
+    /// Like [`LocalJob::wait`]; when `stop` becomes true (a signal), the processes get SIGTERM
+    /// and, if they are still alive 10 seconds later, SIGKILL.
+    pub fn wait_or_stop(
+        mut self,
+        limit: Option<Duration>,
+        stop: &AtomicBool,
+    ) -> anyhow::Result<Vec<ExitStatus>> {
         let start = Instant::now();
+        let mut stopping: Option<Instant> = None;
         let n = self.children.len();
         let mut status: Vec<Option<(ExitStatus, Duration)>> = vec![None; n];
         while status.iter().any(Option::is_none) {
@@ -101,6 +113,19 @@ impl LocalJob {
                     limit.unwrap_or_default()
                 );
             }
+            if stop.load(Ordering::Relaxed) && stopping.is_none() {
+                stopping = Some(Instant::now());
+                for (i, c) in self.children.iter().enumerate() {
+                    if status[i].is_none() {
+                        terminate(c);
+                    }
+                }
+            }
+            if stopping.is_some_and(|t| t.elapsed() > Duration::from_secs(10)) {
+                for c in &mut self.children {
+                    let _ = c.kill();
+                }
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
         let done: Vec<(ExitStatus, Duration)> = status.into_iter().flatten().collect();
@@ -116,5 +141,15 @@ impl LocalJob {
             );
         }
         Ok(done.into_iter().map(|(s, _)| s).collect())
+    }
+}
+
+/// Sends SIGTERM to a child (a clean stop: it may still write its outputs).
+fn terminate(c: &Child) {
+    if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+        // SAFETY: kill(2) with a pid we spawned and a valid signal number has no memory effects.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
     }
 }

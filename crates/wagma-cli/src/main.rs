@@ -1,7 +1,9 @@
 //! `wagma`: train, benchmark and launch WAGMA-SGD jobs.
 
 mod bench;
+mod launch;
 mod local;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -15,6 +17,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train a model with WAGMA-SGD or a baseline (with no options: the image workload on the
+    /// built-in dataset, WAGMA-SGD, 8 in-process ranks).
+    Train(Box<train::Args>),
+    /// Start P local processes of a command over TCP (`wagma launch -n 4 -- wagma train
+    /// --transport tcp ...`).
+    Launch(launch::Args),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -30,6 +38,8 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Train(a) => train::run(*a),
+        Command::Launch(a) => launch::run(a),
         Command::Bench(b) => bench::run(b),
     }
 }

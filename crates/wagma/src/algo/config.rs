@@ -242,6 +242,23 @@ pub struct AlgoConfig {
 }
 
 impl AlgoConfig {
+    /// True when, after `iteration` steps, the algorithm has nothing in flight that a
+    /// checkpoint of the replicas would miss: right after a global average for WAGMA, local SGD
+    /// and eager-SGD (whose engines hold late contributions between syncs), any iteration for
+    /// the others (with [`super::Worker::quiesce`]).
+    pub fn is_clean_point(&self, iteration: u64) -> bool {
+        let at = |period: Option<u64>| match period {
+            Some(k) => iteration.is_multiple_of(k),
+            None => iteration == 0,
+        };
+        match &self.algorithm {
+            Algorithm::Wagma(o) => at(o.tau),
+            Algorithm::LocalSgd { period } => at(Some(*period)),
+            Algorithm::EagerSgd { sync_period, .. } => at(*sync_period),
+            _ => true,
+        }
+    }
+
     /// `algorithm` with the default scope and order.
     pub fn new(algorithm: Algorithm) -> AlgoConfig {
         AlgoConfig {

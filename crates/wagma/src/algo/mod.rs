@@ -21,4 +21,4 @@ mod worker;
 pub use bound::{bound_wall, ideal_wall};
 pub use config::{AlgoConfig, Algorithm, CombineRule, EagerMode, Order, Scope, WagmaOptions};
 pub use optim::{LrSchedule, OptimizerConfig, Sgd};
-pub use worker::{StepReport, Worker};
+pub use worker::{Resume, StepReport, Worker};

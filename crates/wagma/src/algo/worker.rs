@@ -30,6 +30,17 @@ pub struct StepReport {
     pub weight: Option<f64>,
 }
 
+/// Where a resumed worker starts.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Resume {
+    /// Iterations already done.
+    pub iteration: u64,
+    /// The optimizer's momentum (empty without momentum).
+    pub momentum: Vec<f32>,
+    /// SGP's push-sum weight.
+    pub weight: Option<f64>,
+}
+
 /// Parameters, non-trainable buffers and the optimizer of one replica.
 struct ModelState {
     params: Payload,
@@ -194,11 +205,51 @@ impl<'c> Worker<'c> {
         params: Payload,
         buffers: Payload,
     ) -> Result<Worker<'c>, Error> {
+        Self::resume(comm, cfg, opt, params, buffers, Resume::default()).await
+    }
+
+    /// A replica resumed at `resume.iteration`: every rank resumes at the same iteration, which
+    /// must be a point where the algorithm has no communication in flight (see
+    /// [`AlgoConfig::is_clean_point`]).
+    pub async fn resume(
+        comm: &'c mut Comm,
+        cfg: AlgoConfig,
+        opt: OptimizerConfig,
+        params: Payload,
+        buffers: Payload,
+        resume: Resume,
+    ) -> Result<Worker<'c>, Error> {
         let p = comm.size();
+        if !cfg.is_clean_point(resume.iteration) {
+            return Err(Error::Protocol {
+                rank: comm.rank(),
+                op: Op::Other("resume"),
+                detail: format!(
+                    "{} cannot resume at iteration {}: communication is in flight there",
+                    cfg.algorithm.label(),
+                    resume.iteration
+                ),
+            });
+        }
         cfg.algorithm.validate(p)?;
         let opt_len = if params.is_virtual() { 0 } else { params.len() };
+        let mut sgd = Sgd::new(opt, opt_len)?;
+        if !resume.momentum.is_empty() {
+            if resume.momentum.len() != sgd.momentum().len() {
+                return Err(Error::Protocol {
+                    rank: comm.rank(),
+                    op: Op::Other("resume"),
+                    detail: format!(
+                        "momentum of {} elements for an optimizer of {}",
+                        resume.momentum.len(),
+                        sgd.momentum().len()
+                    ),
+                });
+            }
+            sgd.momentum_mut().copy_from_slice(&resume.momentum);
+        }
         let state = ModelState {
-            opt: Sgd::new(opt, opt_len)?,
+            opt: sgd,
             params,
             buffers,
         };
@@ -207,7 +258,7 @@ impl<'c> Worker<'c> {
             Algorithm::AdPsgd => Role::Pair(Pairing::new(p)?),
             Algorithm::Sgp { peers } if p > 1 => Role::PushSum {
                 graph: ExponentialGraph::new(p, *peers)?,
-                weight: 1.0,
+                weight: resume.weight.unwrap_or(1.0),
             },
             _ => Role::Plain,
         };
@@ -216,7 +267,7 @@ impl<'c> Worker<'c> {
             cfg,
             state,
             role,
-            t: 0,
+            t: resume.iteration,
             scratch: Vec::new(),
         };
         match w.cfg.algorithm.clone() {
@@ -235,7 +286,7 @@ impl<'c> Worker<'c> {
                         read: ReadMode::Latest,
                         sync_period: o.tau,
                         initial,
-                        initial_steps: 0,
+                        initial_steps: w.t,
                     })
                     .await?;
             }
@@ -255,7 +306,7 @@ impl<'c> Worker<'c> {
                         read: ReadMode::Exact,
                         sync_period,
                         initial: zeros,
-                        initial_steps: 0,
+                        initial_steps: w.t,
                     })
                     .await?;
             }
@@ -316,9 +367,31 @@ impl<'c> Worker<'c> {
         self.t
     }
 
-    /// Sets the iteration counter (resuming from a checkpoint).
-    pub fn set_iteration(&mut self, t: u64) {
-        self.t = t;
+    /// The push-sum weight (SGP).
+    pub fn weight(&self) -> Option<f64> {
+        match &self.role {
+            Role::PushSum { weight, .. } => Some(*weight),
+            _ => None,
+        }
+    }
+
+    /// Brings the replica to a state that a checkpoint can hold: every rank calls it at the
+    /// same iteration, at a clean point. Ranks wait for each other, a passive AD-PSGD rank
+    /// folds in the averaging its engine did since its last step, and all continue at the same
+    /// instant ([`Comm::align`]).
+    pub async fn quiesce(&mut self) -> Result<(), Error> {
+        self.comm.barrier().await?;
+        if let Role::Pair(pairing) = &self.role
+            && pairing.role(self.comm.rank()) == PairRole::Passive
+            && self.comm.size() > 1
+        {
+            let scope = self.cfg.scope;
+            let own = self.state.pack(scope);
+            let delta = self.comm.passive_publish(own).await?;
+            self.state.add(scope, &delta);
+            delta.recycle();
+        }
+        self.comm.align().await
     }
 
     /// The configuration.

@@ -83,7 +83,8 @@ pub struct StreamConfig {
     /// (accumulate mode).
     #[serde(skip)]
     pub initial: Payload,
-    /// Local steps embodied in `initial`.
+    /// Local steps embodied in `initial`; the stream's first round is this number too (0 for a
+    /// fresh run, the iteration of the checkpoint when resuming at a sync point).
     pub initial_steps: u64,
 }
 
@@ -271,7 +272,7 @@ impl Engine {
             sync_period: cfg.sync_period,
             published,
             published_steps: cfg.initial_steps,
-            next_round: 0,
+            next_round: cfg.initial_steps,
             activated: BTreeSet::new(),
             executing: None,
             results: BTreeMap::new(),

@@ -199,6 +199,33 @@ impl Comm {
         self.allreduce(Payload::Data(Vec::new())).await.map(|_| ())
     }
 
+    /// A barrier after which every rank continues at the same instant: the ranks agree on the
+    /// latest clock among them and each waits until 10 ms after it. Under the deterministic
+    /// executor this makes what follows independent of what came before (a run resumed here
+    /// replays the uninterrupted one); under threads it costs a short sleep.
+    pub async fn align(&mut self) -> Result<(), Error> {
+        const MARGIN: Duration = Duration::from_millis(10);
+        // Each rank's clock in nanoseconds, as three 22-bit parts (exact in f32), in its slots.
+        let p = self.size;
+        let t = u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX);
+        let mut v = vec![0f32; 3 * p];
+        for k in 0..3 {
+            v[3 * self.rank + k] = ((t >> (22 * k)) & 0x3f_ffff) as f32;
+        }
+        let all = self.allreduce(Payload::Data(v)).await?.into_vec();
+        let latest = all
+            .chunks_exact(3)
+            .map(|c| (0..3).fold(0u64, |acc, k| acc | (c[k] as u64) << (22 * k)))
+            .max()
+            .unwrap_or(t);
+        let target = Duration::from_nanos(latest) + MARGIN;
+        let now = self.now();
+        if target > now {
+            self.compute(target - now).await;
+        }
+        Ok(())
+    }
+
     /// Sends the buffer to `send_to`, sums what `recv_from` send (in rank order, with the local
     /// buffer and weights). `seq` must be the same at both ends (the iteration).
     pub async fn exchange(

@@ -1,9 +1,11 @@
 //! The virtual-time executor: every rank is a task of one single-threaded scheduler, engines
 //! exchange messages through a network model, and time only advances from event to event.
 //!
-//! With a seed it is deterministic, bit for bit: ties between simultaneous events and the
-//! order in which woken tasks run are drawn from the seed, so different seeds explore different
-//! arrival orders and the same seed replays one exactly. Compute time exists only where a task
+//! With a seed it is deterministic, bit for bit: network jitter, ties between simultaneous
+//! events and the order in which woken tasks run are hashes of the seed and of the identity of
+//! the message, event or rank (never of a history-dependent random stream), so different seeds
+//! explore different arrival orders, the same seed replays one exactly, and a run resumed from
+//! a checkpoint taken at a barrier replays the rest of the uninterrupted run. Compute time exists only where a task
 //! says so ([`Comm::compute`]); the real time a task spends between awaits is not counted. The
 //! simulator runs the same engines over a LogGP network model at thousands of ranks.
 
@@ -15,10 +17,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
 use super::threaded::collect;
 use super::{Comm, JobResult, Pending, Port, Slot};
 use crate::Rank;
@@ -29,15 +27,34 @@ use crate::transport::Envelope;
 /// When a message sent at `now` arrives.
 pub trait NetworkModel: Send {
     /// Arrival time of `bytes` sent from `from` to `to` at `now`. Called in send order, so a
-    /// model may keep per-link or per-node state (injection limits).
+    /// model may keep per-link or per-node state (injection limits). `noise` is a seeded hash of
+    /// the message's identity, uniform in `[0, 1)`, for models with random variation.
     fn arrival(
         &mut self,
         now: Duration,
         from: Rank,
         to: Rank,
         bytes: usize,
-        rng: &mut ChaCha8Rng,
+        noise: f64,
     ) -> Duration;
+}
+
+/// SplitMix64: a well-mixed hash of one word.
+pub(crate) fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A hash of the seed and a few words.
+fn hash(seed: u64, words: &[u64]) -> u64 {
+    words.iter().fold(mix(seed), |h, &w| mix(h ^ w))
+}
+
+/// A hash as a uniform number in `[0, 1)`.
+fn unit(h: u64) -> f64 {
+    (h >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Latency plus size over bandwidth, stretched by a seeded random factor in `[1, 1 + jitter)`.
@@ -68,10 +85,10 @@ impl NetworkModel for JitterNetwork {
         _from: Rank,
         _to: Rank,
         bytes: usize,
-        rng: &mut ChaCha8Rng,
+        noise: f64,
     ) -> Duration {
         let base = self.latency.as_secs_f64() + bytes as f64 / self.bandwidth;
-        let factor = 1.0 + self.jitter * rng.random::<f64>();
+        let factor = 1.0 + self.jitter * noise;
         now + Duration::from_secs_f64(base * factor)
     }
 }
@@ -96,8 +113,16 @@ impl VirtualConfig {
 
 enum Event {
     Deliver { to: Rank, env: Envelope },
-    Timer { slot: Arc<Slot> },
+    Timer { rank: Rank, slot: Arc<Slot> },
     Tick { rank: Rank },
+}
+
+/// The identity of a message, without anything that depends on history (sequence numbers,
+/// times): sender, receiver, kind, step and the activation root.
+fn message_key(to: Rank, env: &Envelope) -> u64 {
+    mix(env.from as u64)
+        ^ mix((to as u64) << 20 ^ 0x5a5a)
+        ^ mix((env.tag.kind as u64) << 40 ^ (env.tag.step as u64) << 20 ^ env.meta.aux)
 }
 
 struct Scheduled {
@@ -129,19 +154,22 @@ struct Core {
     engines: Vec<Engine>,
     events: BinaryHeap<Reverse<Scheduled>>,
     seq: u64,
-    rng: ChaCha8Rng,
+    seed: u64,
     network: Box<dyn NetworkModel>,
     slots: Vec<HashMap<ReqId, Arc<Slot>>>,
     next_req: ReqId,
     submitted: VecDeque<(Rank, ReqId, Request)>,
     tick_at: Vec<Option<Duration>>,
-    /// Last arrival per link, so that one link delivers in order.
-    link_last: HashMap<(Rank, Rank), Duration>,
 }
 
 impl Core {
     fn schedule(&mut self, at: Duration, event: Event) {
-        let tie = self.rng.random();
+        let key = match &event {
+            Event::Deliver { to, env } => message_key(*to, env),
+            Event::Timer { rank, .. } => 1 ^ (*rank as u64) << 8,
+            Event::Tick { rank } => 2 ^ (*rank as u64) << 8,
+        };
+        let tie = hash(self.seed, &[key, 0x7469_6521]);
         self.seq += 1;
         self.events.push(Reverse(Scheduled {
             at,
@@ -156,12 +184,11 @@ impl Core {
             match a {
                 Action::Send { to, env } => {
                     let bytes = env.wire_bytes();
-                    let mut at = self
-                        .network
-                        .arrival(self.now, rank, to, bytes, &mut self.rng);
-                    let last = self.link_last.entry((rank, to)).or_default();
-                    at = at.max(*last);
-                    *last = at;
+                    let noise = unit(hash(self.seed, &[message_key(to, &env)]));
+                    // Messages may overtake each other (the engine matches them by tag): no
+                    // ordering state outlives the messages, so a run resumed at a barrier
+                    // replays the uninterrupted one.
+                    let at = self.network.arrival(self.now, rank, to, bytes, noise);
                     self.schedule(at, Event::Deliver { to, env });
                 }
                 Action::Complete { id, result } => {
@@ -197,7 +224,7 @@ impl Core {
                 self.engines[to].on_message(now, env, &mut out);
                 self.apply(to, &mut out);
             }
-            Event::Timer { slot } => slot.complete(Ok(Response::Done)),
+            Event::Timer { slot, .. } => slot.complete(Ok(Response::Done)),
             Event::Tick { rank } => {
                 if self.tick_at[rank] == Some(now) {
                     self.tick_at[rank] = None;
@@ -246,9 +273,11 @@ impl Port for VirtualPort {
         let mut core = lock(&self.core);
         let slot = Slot::new();
         let at = core.now + d;
+        let rank = self.rank;
         core.schedule(
             at,
             Event::Timer {
+                rank,
                 slot: Arc::clone(&slot),
             },
         );
@@ -295,18 +324,18 @@ where
     if ranks == 0 {
         return Err(ConfigError::ZeroRanks);
     }
+    let vcfg_seed = vcfg.seed;
     let core = Arc::new(Mutex::new(Core {
         now: Duration::ZERO,
         engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
         events: BinaryHeap::new(),
         seq: 0,
-        rng: ChaCha8Rng::seed_from_u64(vcfg.seed),
+        seed: vcfg.seed,
         network: vcfg.network,
         slots: (0..ranks).map(|_| HashMap::new()).collect(),
         next_req: 0,
         submitted: VecDeque::new(),
         tick_at: vec![None; ranks],
-        link_last: HashMap::new(),
     }));
     let mut comms: Vec<Comm> = (0..ranks)
         .map(|rank| {
@@ -344,7 +373,8 @@ where
                 }
                 batch.sort_unstable();
                 batch.dedup();
-                batch.shuffle(&mut lock(&core).rng);
+                let seed = vcfg_seed;
+                batch.sort_by_key(|&id| hash(seed, &[id as u64, 0x7461_736b]));
                 for id in batch {
                     let Some(fut) = tasks[id].as_mut() else {
                         continue;

@@ -1,0 +1,452 @@
+//! `wagma train`: flags, a TOML configuration file that flags override, the progress bar and
+//! the final table.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args as ClapArgs;
+use comfy_table::Table;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use wagma::algo::{Algorithm, CombineRule, EagerMode, LrSchedule, Order, WagmaOptions};
+use wagma::imbalance::{Imbalance, Profile};
+use wagma::topology::GroupingKind;
+use wagma_train::config::default_optimizer;
+use wagma_train::nav::NavConfig;
+use wagma_train::trainer::{self, EvalRecord, Observer};
+use wagma_train::workloads::image::{self, Dataset, ImageWorkload};
+use wagma_train::workloads::navigate::{NavigateWorkload, PpoConfig};
+use wagma_train::workloads::translate::TranslateWorkload;
+use wagma_train::{Execution, Summary, TrainConfig, WorkloadKind};
+
+/// Options of `wagma train`. Every option can also be set in the `--config` TOML file (same
+/// names); the command line wins.
+#[derive(ClapArgs, Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Args {
+    /// TOML file with any of these options.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Workload: image, translate or navigate.
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Algorithm: wagma, allreduce-sgd, local-sgd, d-psgd, ad-psgd, sgp, eager-sgd-solo,
+    /// eager-sgd-majority.
+    #[arg(long)]
+    pub algo: Option<String>,
+    /// Number of ranks (in-process workers or, with --deterministic, simulated ones).
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// WAGMA: group size S.
+    #[arg(long)]
+    pub group_size: Option<usize>,
+    /// WAGMA: global synchronization period tau, or "never".
+    #[arg(long)]
+    pub tau: Option<String>,
+    /// WAGMA: combination rule, paper or damped.
+    #[arg(long)]
+    pub combine: Option<String>,
+    /// WAGMA: butterfly, fixed, random or random(SEED).
+    #[arg(long)]
+    pub groups: Option<String>,
+    /// WAGMA: blocking group averaging instead of wait-avoiding (lock-step).
+    #[arg(long)]
+    pub blocking: Option<bool>,
+    /// Step and average order: step-then-average or average-then-step.
+    #[arg(long)]
+    pub order: Option<String>,
+    /// local-sgd: period H.
+    #[arg(long)]
+    pub period: Option<u64>,
+    /// sgp: peers per iteration.
+    #[arg(long)]
+    pub peers: Option<usize>,
+    /// eager-sgd: blocking gradient allreduce every N steps, or "never".
+    #[arg(long)]
+    pub eager_sync: Option<String>,
+    /// Average BatchNorm statistics with the parameters.
+    #[arg(long)]
+    pub average_buffers: Option<bool>,
+    /// Average the optimizer's momentum too.
+    #[arg(long)]
+    pub average_optimizer_state: Option<bool>,
+    /// Seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Iterations.
+    #[arg(long, conflicts_with = "epochs")]
+    pub steps: Option<u64>,
+    /// Epochs over the training data (image and translate).
+    #[arg(long)]
+    pub epochs: Option<f64>,
+    /// Evaluate every N iterations.
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Samples (sentences; episodes for navigate) per local step.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Peak learning rate (keeps the workload's schedule shape).
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// Momentum.
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// Weight decay.
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Injected imbalance: none, paper-resnet, lengths, heavy-tail.
+    #[arg(long)]
+    pub imbalance: Option<String>,
+    /// Scale of the injected times (1 = the paper's).
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// mem (threads of this process) or tcp (this process is one rank; see `wagma launch`).
+    #[arg(long)]
+    pub transport: Option<String>,
+    /// Run every rank in the deterministic virtual-time scheduler (bit-reproducible).
+    #[arg(long)]
+    pub deterministic: Option<bool>,
+    /// Image data: a directory of MNIST-format IDX files.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Image data: auto (Fashion-MNIST if installed, else built-in) or builtin.
+    #[arg(long)]
+    pub dataset: Option<String>,
+    /// Translation data: directory of gettext catalogs (default: German ones).
+    #[arg(long)]
+    pub catalogs: Option<PathBuf>,
+    /// Output directory.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Checkpoint every N iterations (at the algorithm's next clean point).
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Resume from a checkpoint (directory, or output directory of an earlier run).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// End-to-end timeout of any collective, seconds.
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: Option<bool>,
+}
+
+impl Args {
+    /// Flags over the file's values.
+    fn merged(self) -> anyhow::Result<Args> {
+        let Some(path) = &self.config else {
+            return Ok(self);
+        };
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let file: Args =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let mut merged = serde_json::to_value(file)?;
+        if let (Some(m), serde_json::Value::Object(flags)) =
+            (merged.as_object_mut(), serde_json::to_value(&self)?)
+        {
+            for (k, v) in flags {
+                if !v.is_null() {
+                    m.insert(k, v);
+                }
+            }
+        }
+        let mut out: Args = serde_json::from_value(merged)?;
+        out.config = self.config;
+        Ok(out)
+    }
+}
+
+fn never_or<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Option<T>> {
+    if s == "never" {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .map_err(|_| anyhow::anyhow!("invalid {what}: {s:?} (a number or \"never\")"))
+}
+
+fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
+    let mut alg = Algorithm::from_name(a.algo.as_deref().unwrap_or("wagma"))?;
+    match &mut alg {
+        Algorithm::Wagma(o) => {
+            let tau = match &a.tau {
+                Some(t) => never_or(t, "tau")?,
+                None => WagmaOptions::default().tau,
+            };
+            *o = WagmaOptions {
+                group_size: a.group_size,
+                tau,
+                combine: match a.combine.as_deref() {
+                    None | Some("paper") => CombineRule::Paper,
+                    Some("damped") => CombineRule::Damped,
+                    Some(x) => bail!("invalid combine rule {x:?} (paper or damped)"),
+                },
+                groups: match a.groups.as_deref() {
+                    None => GroupingKind::Butterfly,
+                    Some(g) => g.parse()?,
+                },
+                wait_avoiding: !a.blocking.unwrap_or(false),
+            };
+        }
+        Algorithm::LocalSgd { period } => *period = a.period.unwrap_or(1),
+        Algorithm::Sgp { peers } => *peers = a.peers.unwrap_or(1),
+        Algorithm::EagerSgd { sync_period, mode } => {
+            if let Some(s) = &a.eager_sync {
+                *sync_period = never_or(s, "eager-sync")?;
+            }
+            let _: &mut EagerMode = mode;
+        }
+        _ => {}
+    }
+    Ok(alg)
+}
+
+/// Builds the run's configuration (everything but the workload's data).
+fn config(a: &Args) -> anyhow::Result<TrainConfig> {
+    let mut c = TrainConfig::default();
+    if let Some(w) = &a.workload {
+        c.workload = w.parse()?;
+    }
+    c.algo.algorithm = algorithm(a)?;
+    if let Some(o) = &a.order {
+        c.algo.order = match o.as_str() {
+            "step-then-average" => Order::StepThenAverage,
+            "average-then-step" => Order::AverageThenStep,
+            _ => bail!("invalid order {o:?} (step-then-average or average-then-step)"),
+        };
+    }
+    if let Some(b) = a.average_buffers {
+        c.algo.scope.average_buffers = b;
+    }
+    if let Some(b) = a.average_optimizer_state {
+        c.algo.scope.average_optimizer_state = b;
+    }
+    c.seed = a.seed.unwrap_or(c.seed);
+    c.algo.seed = c.seed;
+    c.ranks = a.ranks.unwrap_or(c.ranks);
+    c.steps = a.steps.unwrap_or(match c.workload {
+        WorkloadKind::Image => 600,
+        WorkloadKind::Translate => 1500,
+        WorkloadKind::Navigate => 3000,
+    });
+    c.eval_every = a.eval_every.unwrap_or((c.steps / 6).max(1));
+    c.batch = a.batch;
+    if let Some(p) = &a.imbalance {
+        let profile: Profile = p.parse()?;
+        if profile != Profile::None {
+            c.imbalance = Some(Imbalance {
+                profile,
+                time_scale: a.time_scale.unwrap_or(0.02),
+                seed: c.seed,
+            });
+        }
+    } else if a.time_scale.is_some() {
+        bail!("--time-scale needs --imbalance");
+    }
+    c.execution = match (a.transport.as_deref(), a.deterministic.unwrap_or(false)) {
+        (None | Some("mem"), false) => Execution::Threads,
+        (None | Some("mem"), true) => Execution::Deterministic,
+        (Some("tcp"), false) => Execution::Tcp,
+        (Some("tcp"), true) => {
+            bail!("--deterministic runs in one process; it cannot use --transport tcp")
+        }
+        (Some(t), _) => bail!("invalid transport {t:?} (mem or tcp)"),
+    };
+    c.dataset = match (&a.data, a.dataset.as_deref()) {
+        (Some(d), None) => Dataset::Idx(d.clone()),
+        (Some(_), Some(_)) => bail!("--data and --dataset exclude each other"),
+        (None, None | Some("auto")) => Dataset::Auto,
+        (None, Some("builtin")) => Dataset::Builtin,
+        (None, Some(x)) => {
+            bail!("invalid dataset {x:?} (auto or builtin; --data DIR for IDX files)")
+        }
+    };
+    c.catalogs = a.catalogs.clone();
+    c.checkpoint_every = a.checkpoint_every;
+    c.resume = a.resume.clone();
+    if let Some(t) = a.timeout {
+        c.timeout =
+            Duration::try_from_secs_f64(t).map_err(|_| anyhow::anyhow!("invalid timeout {t}"))?;
+    }
+    c.progress = !a.quiet.unwrap_or(false);
+    let mut opt = default_optimizer(c.workload, c.steps);
+    if let Some(lr) = a.lr {
+        match &mut opt.lr {
+            LrSchedule::Constant { lr: x }
+            | LrSchedule::WarmupStep { lr: x, .. }
+            | LrSchedule::Cosine { lr: x, .. } => *x = lr,
+        }
+    }
+    if let Some(m) = a.momentum {
+        opt.momentum = m;
+        if m == 0.0 {
+            opt.nesterov = false;
+        }
+    }
+    if let Some(w) = a.weight_decay {
+        opt.weight_decay = w;
+    }
+    c.optimizer = Some(opt);
+    c.out = a.out.clone().unwrap_or_else(|| {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default();
+        let label = c.algo.algorithm.label().replace([' ', '='], "-");
+        PathBuf::from(format!("runs/{}-{label}-{secs}", c.workload))
+    });
+    c.validate()?;
+    Ok(c)
+}
+
+struct Bar {
+    bar: ProgressBar,
+    primary: &'static str,
+}
+
+impl Observer for Bar {
+    fn step(&self, iteration: u64, samples: u64, train_s: f64) {
+        self.bar.set_position(iteration);
+        if train_s > 0.0 {
+            self.bar
+                .set_prefix(format!("{:.0} samples/s", samples as f64 / train_s));
+        }
+    }
+
+    fn eval(&self, r: &EvalRecord) {
+        if let Some(v) = r.consensus.get(self.primary) {
+            self.bar
+                .set_message(format!("{} {:.4} at {}", self.primary, v, r.iteration));
+        }
+    }
+}
+
+fn observer(c: &TrainConfig, primary: &'static str) -> Bar {
+    let bar = if c.progress {
+        ProgressBar::new(c.steps)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {pos}/{len} it  {prefix}  {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    Bar { bar, primary }
+}
+
+/// Runs `wagma train`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let a = args.merged()?;
+    let mut c = config(&a)?;
+    let summary = match c.workload {
+        WorkloadKind::Image => {
+            let (train, test, name) = image::load(&c.dataset, c.seed)?;
+            let batch = c.batch.unwrap_or(32);
+            if let Some(e) = a.epochs {
+                c.steps = epochs_to_steps(e, train.len(), batch, c.ranks)?;
+            }
+            let w = ImageWorkload::new(train, test, batch, 16);
+            let data = format!("{name}: {} training and held-out samples", w.train_len());
+            go(&w, &c, data, "accuracy")?
+        }
+        WorkloadKind::Translate => {
+            let batch = c.batch.unwrap_or(32);
+            let w = TranslateWorkload::from_catalogs(c.catalogs.as_deref(), batch, c.seed)?;
+            if let Some(e) = a.epochs {
+                c.steps = epochs_to_steps(e, w.train_len(), batch, c.ranks)?;
+            }
+            let data = w.describe();
+            go(&w, &c, data, "bleu")?
+        }
+        WorkloadKind::Navigate => {
+            if a.epochs.is_some() {
+                bail!("--epochs does not apply to navigate (use --steps)");
+            }
+            let ppo = PpoConfig {
+                episodes: c.batch.unwrap_or(PpoConfig::default().episodes),
+                ..PpoConfig::default()
+            };
+            let w = NavigateWorkload::new(NavConfig::default(), ppo, 64);
+            let data = w.describe();
+            go(&w, &c, data, "spl")?
+        }
+    };
+    print_summary(&summary, &c);
+    Ok(())
+}
+
+fn epochs_to_steps(e: f64, n: usize, batch: usize, ranks: usize) -> anyhow::Result<u64> {
+    if !(e.is_finite() && e > 0.0) {
+        bail!("invalid --epochs {e}");
+    }
+    Ok(((e * n as f64) / (batch * ranks) as f64).ceil().max(1.0) as u64)
+}
+
+fn go<W: wagma_train::workloads::Workload>(
+    w: &W,
+    c: &TrainConfig,
+    data: String,
+    primary: &'static str,
+) -> anyhow::Result<Summary> {
+    let obs = observer(c, primary);
+    if c.progress {
+        eprintln!(
+            "training {} with {} on {} ranks ({data}); outputs in {}",
+            c.workload,
+            c.algo.algorithm.label(),
+            c.ranks,
+            c.out.display()
+        );
+    }
+    let r = trainer::run(w, c, data, &obs);
+    obs.bar.finish_and_clear();
+    Ok(r?)
+}
+
+fn print_summary(s: &Summary, c: &TrainConfig) {
+    let mut t = Table::new();
+    t.set_header(vec!["", ""]);
+    t.add_row(vec![
+        "workload".to_string(),
+        format!("{} ({})", s.workload, s.data),
+    ]);
+    t.add_row(vec![
+        "algorithm".to_string(),
+        format!("{} on {} ranks", s.label, s.ranks),
+    ]);
+    t.add_row(vec!["iterations".to_string(), s.steps.to_string()]);
+    t.add_row(vec![
+        "training time".to_string(),
+        format!("{:.1} s", s.wall_s),
+    ]);
+    t.add_row(vec![
+        "throughput".to_string(),
+        format!("{:.1} samples/s", s.samples_per_s),
+    ]);
+    t.add_row(vec![
+        "waiting".to_string(),
+        format!("{:.1}%", 100.0 * s.wait_fraction),
+    ]);
+    if s.staleness.total() > 0 {
+        t.add_row(vec![
+            "staleness".to_string(),
+            format!("{} (mean {:.2})", s.staleness, s.staleness.mean()),
+        ]);
+    }
+    for (k, v) in &s.final_metrics {
+        t.add_row(vec![format!("final {k}"), format!("{v:.4}")]);
+    }
+    println!("{t}");
+    println!("metrics: {}", c.out.join("metrics.jsonl").display());
+    println!("summary: {}", c.out.join("summary.json").display());
+    if let Some(ck) = &s.checkpoint {
+        println!("last checkpoint: {}", ck.display());
+    }
+}

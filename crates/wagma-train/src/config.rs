@@ -1,0 +1,208 @@
+//! Settings of a training run (readable from TOML; the command line overrides them).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use wagma::algo::{AlgoConfig, Algorithm, LrSchedule, OptimizerConfig};
+use wagma::imbalance::Imbalance;
+
+use crate::error::TrainError;
+use crate::workloads::image::Dataset;
+
+/// Which workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// Image classification.
+    Image,
+    /// English to German translation.
+    Translate,
+    /// Point-goal navigation with PPO.
+    Navigate,
+}
+
+impl std::str::FromStr for WorkloadKind {
+    type Err = TrainError;
+    fn from_str(s: &str) -> Result<Self, TrainError> {
+        match s {
+            "image" => Ok(WorkloadKind::Image),
+            "translate" => Ok(WorkloadKind::Translate),
+            "navigate" => Ok(WorkloadKind::Navigate),
+            _ => Err(TrainError::Config(format!(
+                "unknown workload {s:?} (expected image, translate or navigate)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for WorkloadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WorkloadKind::Image => "image",
+            WorkloadKind::Translate => "translate",
+            WorkloadKind::Navigate => "navigate",
+        })
+    }
+}
+
+/// How the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Execution {
+    /// Threads of this process over the in-process transport.
+    Threads,
+    /// Every rank a task of the deterministic virtual-time scheduler (bit-reproducible; the
+    /// time reported is virtual: emulated delays and network only).
+    Deterministic,
+    /// This process is one rank of a TCP job (rendezvous from the environment).
+    Tcp,
+}
+
+/// A training run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Workload.
+    pub workload: WorkloadKind,
+    /// Image dataset.
+    pub dataset: Dataset,
+    /// Directory of gettext catalogs (translation).
+    pub catalogs: Option<PathBuf>,
+    /// Algorithm and options.
+    pub algo: AlgoConfig,
+    /// Local optimizer (`None`: the workload's default).
+    pub optimizer: Option<OptimizerConfig>,
+    /// Ranks (ignored over TCP, where the job decides).
+    pub ranks: usize,
+    /// Iterations.
+    pub steps: u64,
+    /// Evaluate every this many iterations (and at the end).
+    pub eval_every: u64,
+    /// Samples (or sentences, or environment episodes) per local step; `None`: the workload's.
+    pub batch: Option<usize>,
+    /// Seed of data order, initialization and imbalance.
+    pub seed: u64,
+    /// Injected imbalance.
+    pub imbalance: Option<Imbalance>,
+    /// How ranks run.
+    pub execution: Execution,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Checkpoint every this many iterations (rounded up to the algorithm's next clean point).
+    pub checkpoint_every: Option<u64>,
+    /// Resume from this checkpoint (a checkpoint directory or one with a `LATEST` pointer).
+    pub resume: Option<PathBuf>,
+    /// Also evaluate rank 0's replica.
+    pub eval_replica: bool,
+    /// End-to-end timeout of any collective.
+    #[serde(with = "wagma::util::serde_secs")]
+    pub timeout: Duration,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            workload: WorkloadKind::Image,
+            dataset: Dataset::Auto,
+            catalogs: None,
+            algo: AlgoConfig::new(Algorithm::from_name("wagma").unwrap_or(Algorithm::AllreduceSgd)),
+            optimizer: None,
+            ranks: 8,
+            steps: 600,
+            eval_every: 100,
+            batch: None,
+            seed: 1,
+            imbalance: None,
+            execution: Execution::Threads,
+            out: PathBuf::from("runs/latest"),
+            checkpoint_every: None,
+            resume: None,
+            eval_replica: true,
+            timeout: Duration::from_secs(120),
+            progress: true,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks what can be checked before anything runs.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        if self.ranks == 0 {
+            return Err(TrainError::Config("ranks must be at least 1".into()));
+        }
+        if self.steps == 0 {
+            return Err(TrainError::Config("steps must be at least 1".into()));
+        }
+        if self.eval_every == 0 {
+            return Err(TrainError::Config("eval-every must be at least 1".into()));
+        }
+        if self.batch == Some(0) {
+            return Err(TrainError::Config("batch must be at least 1".into()));
+        }
+        if self.checkpoint_every == Some(0) {
+            return Err(TrainError::Config(
+                "checkpoint-every must be at least 1".into(),
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(TrainError::Config("timeout must be positive".into()));
+        }
+        if self.execution != Execution::Tcp {
+            self.algo.algorithm.validate(self.ranks)?;
+        }
+        if let Some(o) = &self.optimizer {
+            o.validate()?;
+        }
+        if let Some(im) = &self.imbalance {
+            im.validate()?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer: the configured one, or the workload's default.
+    pub fn optimizer_or_default(&self) -> OptimizerConfig {
+        self.optimizer
+            .clone()
+            .unwrap_or_else(|| default_optimizer(self.workload, self.steps))
+    }
+}
+
+/// A workload's default local optimizer.
+pub fn default_optimizer(w: WorkloadKind, steps: u64) -> OptimizerConfig {
+    let warmup = (steps / 20).min(200);
+    match w {
+        WorkloadKind::Image => OptimizerConfig {
+            lr: LrSchedule::Cosine {
+                lr: 0.05,
+                warmup,
+                total: steps,
+                min_lr: 0.0,
+            },
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 5e-4,
+            clip_norm: None,
+        },
+        WorkloadKind::Translate => OptimizerConfig {
+            lr: LrSchedule::Cosine {
+                lr: 1.0,
+                warmup,
+                total: steps,
+                min_lr: 0.0,
+            },
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.0,
+            clip_norm: Some(1.0),
+        },
+        WorkloadKind::Navigate => OptimizerConfig {
+            lr: LrSchedule::Constant { lr: 0.1 },
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.0,
+            clip_norm: Some(0.5),
+        },
+    }
+}

@@ -1,0 +1,598 @@
+//! The training loop: every rank runs the workload's local step on its replica, hands the
+//! gradient to its [`Worker`], evaluates the consensus model, writes metrics and checkpoints.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use wagma::algo::{AlgoConfig, OptimizerConfig, Resume, Worker};
+use wagma::exec::{JobResult, threaded, virtual_time};
+use wagma::transport::tcp::TcpConfig;
+use wagma::util::Histogram;
+use wagma::{Comm, EngineConfig, Error, Payload, block_on};
+
+use crate::checkpoint::{self, Meta, RankState};
+use crate::config::{Execution, TrainConfig};
+use crate::error::TrainError;
+use crate::flat::{FlatModel, Layout, train_device};
+use crate::workloads::Workload;
+
+/// One evaluation: a line of `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    /// Iterations done.
+    pub iteration: u64,
+    /// Seconds since the start, evaluation and checkpoints excluded.
+    pub wall_s: f64,
+    /// Samples processed by all ranks.
+    pub samples: u64,
+    /// Metrics of the consensus model (the global average).
+    pub consensus: BTreeMap<String, f64>,
+    /// Metrics of rank 0's replica.
+    pub replica0: Option<BTreeMap<String, f64>>,
+    /// Mean squared distance of the replicas to their average.
+    pub consensus_distance: f64,
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Workload.
+    pub workload: String,
+    /// Data description.
+    pub data: String,
+    /// Algorithm, with its options.
+    pub algo: AlgoConfig,
+    /// Short algorithm label.
+    pub label: String,
+    /// Local optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Ranks.
+    pub ranks: usize,
+    /// Iterations.
+    pub steps: u64,
+    /// Seed.
+    pub seed: u64,
+    /// How ranks ran.
+    pub execution: Execution,
+    /// Injected imbalance.
+    pub imbalance: Option<wagma::imbalance::Imbalance>,
+    /// Seconds of training (evaluation and checkpoints excluded).
+    pub wall_s: f64,
+    /// Samples processed by all ranks.
+    pub samples: u64,
+    /// Samples per second.
+    pub samples_per_s: f64,
+    /// Metrics of the final consensus model.
+    pub final_metrics: BTreeMap<String, f64>,
+    /// Share of the ranks' time spent waiting for communication.
+    pub wait_fraction: f64,
+    /// Staleness of the contributions used, all ranks.
+    pub staleness: Histogram,
+    /// Trainable parameters.
+    pub params: usize,
+    /// The last checkpoint written.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// Receives progress from rank 0.
+pub trait Observer: Sync {
+    /// After each iteration.
+    fn step(&self, iteration: u64, samples: u64, train_s: f64);
+    /// After each evaluation.
+    fn eval(&self, record: &EvalRecord);
+}
+
+/// An observer that does nothing.
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn step(&self, _: u64, _: u64, _: f64) {}
+    fn eval(&self, _: &EvalRecord) {}
+}
+
+/// The initial model shared by every rank.
+#[derive(Debug, Clone)]
+pub struct Initial {
+    /// Trainable parameters.
+    pub params: Vec<f32>,
+    /// Buffers.
+    pub buffers: Vec<f32>,
+    /// The model's layout.
+    pub layout: Layout,
+}
+
+/// Builds the initial model once (seeded, on this thread) so that every rank starts from the
+/// same values whatever the threads do with burn's global random generator.
+pub fn initial_model<W: Workload>(w: &W, seed: u64) -> Initial {
+    let device = train_device();
+    device.seed(seed);
+    let fm = FlatModel::new(w.build(&device));
+    Initial {
+        params: fm.params(),
+        buffers: fm.buffers(),
+        layout: fm.layout().clone(),
+    }
+}
+
+/// The consensus model at the end of a run, in the output directory.
+pub const FINAL_MODEL: &str = "final-model.bin";
+
+/// Files of the run, written by rank 0.
+struct Outputs {
+    dir: PathBuf,
+    metrics: Mutex<Option<std::fs::File>>,
+}
+
+impl Outputs {
+    fn metrics_partial(dir: &Path) -> PathBuf {
+        dir.join("metrics.jsonl.partial")
+    }
+
+    fn create(dir: &Path) -> Result<Outputs, TrainError> {
+        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+        let p = Self::metrics_partial(dir);
+        let f = std::fs::File::create(&p).map_err(|e| TrainError::io(&p, e))?;
+        Ok(Outputs {
+            dir: dir.to_path_buf(),
+            metrics: Mutex::new(Some(f)),
+        })
+    }
+
+    fn record(&self, r: &EvalRecord) -> Result<(), TrainError> {
+        let mut g = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = g.as_mut() {
+            let line = serde_json::to_string(r).map_err(|e| TrainError::Config(e.to_string()))?;
+            writeln!(f, "{line}").map_err(|e| TrainError::io(&self.dir, e))?;
+            f.flush().map_err(|e| TrainError::io(&self.dir, e))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the consensus model as `final-model.bin` (a checkpoint file of rank 0).
+    fn save_model(
+        &self,
+        iteration: u64,
+        (params, buffers): (Payload, Payload),
+    ) -> Result<(), TrainError> {
+        let state = RankState {
+            rank: 0,
+            iteration,
+            params: params.into_vec(),
+            buffers: buffers.into_vec(),
+            momentum: Vec::new(),
+            weight: None,
+            local: serde_json::Value::Null,
+        };
+        checkpoint::write_model(&self.dir.join(FINAL_MODEL), &state)
+    }
+
+    /// Renames the metrics into place and writes the summary (both atomically).
+    fn finish(&self, summary: &Summary) -> Result<(), TrainError> {
+        self.metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let dst = self.dir.join("metrics.jsonl");
+        std::fs::rename(Self::metrics_partial(&self.dir), &dst)
+            .map_err(|e| TrainError::io(&dst, e))?;
+        let s = self.dir.join("summary.json");
+        let tmp = self.dir.join("summary.json.partial");
+        let json =
+            serde_json::to_vec_pretty(summary).map_err(|e| TrainError::Config(e.to_string()))?;
+        std::fs::write(&tmp, json).map_err(|e| TrainError::io(&tmp, e))?;
+        std::fs::rename(&tmp, &s).map_err(|e| TrainError::io(&s, e))
+    }
+}
+
+/// Checks that `dir` can be written, without touching earlier outputs in it.
+pub fn check_writable(dir: &Path) -> Result<(), TrainError> {
+    std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+    let probe = dir.join(format!(".wagma-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| TrainError::io(dir, e))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+struct Shared<'a, W: Workload> {
+    w: &'a W,
+    cfg: &'a TrainConfig,
+    init: &'a Initial,
+    data: String,
+    resume: Option<(PathBuf, Meta)>,
+    outputs: Option<Outputs>,
+    observer: &'a dyn Observer,
+}
+
+/// What a rank reports at the end.
+struct RankEnd {
+    summary: Option<Summary>,
+}
+
+/// Runs the whole training as configured and returns the summary (from rank 0; over TCP, every
+/// process returns it, but only rank 0 writes the outputs).
+pub fn run<W: Workload>(
+    w: &W,
+    cfg: &TrainConfig,
+    data: String,
+    observer: &dyn Observer,
+) -> Result<Summary, TrainError> {
+    cfg.validate()?;
+    let init = initial_model(w, cfg.seed);
+    let resume = match &cfg.resume {
+        Some(p) => {
+            let ckpt = checkpoint::locate(p)?;
+            let meta = checkpoint::read_meta(&ckpt)?;
+            let ranks = if cfg.execution == Execution::Tcp {
+                meta.ranks
+            } else {
+                cfg.ranks
+            };
+            checkpoint::check_compatible(&meta, w.name(), &init.layout, ranks, &ckpt)?;
+            if !cfg.algo.is_clean_point(meta.iteration) {
+                return Err(TrainError::checkpoint(
+                    &ckpt,
+                    "was not taken at a point this algorithm can resume from",
+                ));
+            }
+            Some((ckpt, meta))
+        }
+        None => None,
+    };
+    let engine = EngineConfig {
+        timeout: cfg.timeout,
+        ..EngineConfig::default()
+    };
+    let tcp = if cfg.execution == Execution::Tcp {
+        Some(TcpConfig::from_env()?)
+    } else {
+        None
+    };
+    let is_rank0 = tcp.as_ref().is_none_or(|t| t.rank == 0);
+    if is_rank0 {
+        check_writable(&cfg.out)?;
+    }
+    let shared = Shared {
+        w,
+        cfg,
+        init: &init,
+        data,
+        resume,
+        outputs: if is_rank0 {
+            Some(Outputs::create(&cfg.out)?)
+        } else {
+            None
+        },
+        observer,
+    };
+    let task = async |c: &mut Comm| -> Result<RankEnd, Error> {
+        run_rank(c, &shared).await.map_err(|e| match e {
+            TrainError::Engine(e) => e,
+            other => Error::Task {
+                rank: c.rank(),
+                message: other.to_string(),
+            },
+        })
+    };
+    let job: JobResult<RankEnd> = match &tcp {
+        None if cfg.execution == Execution::Deterministic => virtual_time::run(
+            cfg.ranks,
+            engine,
+            virtual_time::VirtualConfig::seeded(cfg.seed),
+            task,
+        )?,
+        None => threaded::run(cfg.ranks, engine, task)?,
+        Some(t) => {
+            let (mut c, handle) = threaded::connect_tcp(t, engine)?;
+            let r = block_on(task(&mut c));
+            let at = Duration::ZERO;
+            match &r {
+                Ok(_) => {
+                    block_on(c.finish())?;
+                }
+                Err(_) => c.abort(),
+            }
+            let _ = handle.join();
+            let _ = at;
+            JobResult {
+                first_failure: r.is_err().then_some(0),
+                ranks: vec![r],
+            }
+        }
+    };
+    let mut ends = job.into_all()?;
+    let summary = ends
+        .iter_mut()
+        .find_map(|e| e.summary.take())
+        .ok_or_else(|| TrainError::Config("no rank produced a summary".into()))?;
+    if let Some(o) = &shared.outputs {
+        o.finish(&summary)?;
+    }
+    Ok(summary)
+}
+
+async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<RankEnd, TrainError> {
+    let (cfg, w) = (s.cfg, s.w);
+    let rank = comm.rank();
+    let p = comm.size();
+    let device = train_device();
+    let mut fm = FlatModel::new(w.build(&device));
+    let mut local = w.local(rank, p, cfg.seed);
+    let (params, buffers, resume, mut samples, train_s) = match &s.resume {
+        Some((ckpt, meta)) => {
+            let st = checkpoint::read_rank(ckpt, rank)?;
+            if st.params.len() != s.init.params.len() || st.buffers.len() != s.init.buffers.len() {
+                return Err(TrainError::checkpoint(
+                    ckpt,
+                    format!("rank {rank}'s state does not fit this model"),
+                ));
+            }
+            w.load_local(&mut local, &st.local)
+                .map_err(|m| TrainError::checkpoint(ckpt, format!("rank {rank}: {m}")))?;
+            let resume = Resume {
+                iteration: st.iteration,
+                momentum: st.momentum,
+                weight: st.weight,
+            };
+            (st.params, st.buffers, resume, meta.samples, meta.train_s)
+        }
+        None => (
+            s.init.params.clone(),
+            s.init.buffers.clone(),
+            Resume::default(),
+            0,
+            0.0,
+        ),
+    };
+    let has_buffers = !buffers.is_empty();
+    let opt = cfg.optimizer_or_default();
+    let start_iter = resume.iteration;
+    let mut worker = Worker::resume(
+        comm,
+        cfg.algo.clone(),
+        opt.clone(),
+        Payload::Data(params),
+        Payload::Data(buffers),
+        resume,
+    )
+    .await?;
+    if start_iter > 0 {
+        // The uninterrupted run quiesced here to checkpoint; so does the resumed one.
+        worker.quiesce().await?;
+    }
+    let mut excluded = 0.0f64;
+    let t0 = worker.comm().now();
+    let clock = |c: &Comm, excluded: f64| train_s + (c.now() - t0).as_secs_f64() - excluded;
+    let mut last_ckpt = None;
+    let mut last_metrics = BTreeMap::new();
+    let ckpt_every = cfg.checkpoint_every;
+    let mut next_ckpt = ckpt_every.map(|k| start_iter + k);
+    for t in start_iter..cfg.steps {
+        if let Some(im) = &cfg.imbalance {
+            let d = im.step_times(t, p).get(rank).copied().unwrap_or(0.0);
+            worker.comm().compute(Duration::from_secs_f64(d)).await;
+        }
+        fm.set_params(worker.params());
+        if has_buffers {
+            fm.set_buffers(worker.buffers());
+        }
+        let (loss, n) = w.loss(fm.model(), &mut local, t);
+        let grads = fm.backward(loss);
+        if has_buffers {
+            let b = fm.buffers();
+            worker.buffers_mut().copy_from_slice(&b);
+        }
+        worker.step(&grads).await?;
+        samples += (n * p) as u64;
+        let done = t + 1;
+        if rank == 0 {
+            s.observer
+                .step(done, samples, clock(worker.comm(), excluded));
+        }
+        if done % cfg.eval_every == 0 || done == cfg.steps {
+            let e0 = worker.comm().now();
+            let now = clock(worker.comm(), excluded);
+            let (rec, consensus) = evaluate(&mut worker, &mut fm, s, done, samples, now).await?;
+            excluded += (worker.comm().now() - e0).as_secs_f64();
+            if rank == 0 {
+                if let Some(o) = &s.outputs {
+                    o.record(&rec)?;
+                    if done == cfg.steps {
+                        o.save_model(done, consensus)?;
+                    }
+                }
+                s.observer.eval(&rec);
+            }
+            last_metrics = rec.consensus;
+        }
+        if next_ckpt.is_some_and(|k| done >= k) && cfg.algo.is_clean_point(done) && done < cfg.steps
+        {
+            let e0 = worker.comm().now();
+            let now = clock(worker.comm(), excluded);
+            last_ckpt = Some(write_checkpoint(&mut worker, s, &local, done, samples, now).await?);
+            excluded += (worker.comm().now() - e0).as_secs_f64();
+            next_ckpt = ckpt_every.map(|k| done + k);
+        }
+    }
+    let wall = clock(worker.comm(), excluded);
+    // Totals over ranks: waiting and staleness.
+    let stats = worker.comm().stats().clone();
+    const BUCKETS: usize = 65;
+    let mut v = vec![0f32; 1 + BUCKETS];
+    v[0] = stats.wait_s as f32;
+    for (k, c) in stats.staleness.iter() {
+        v[1 + (k as usize).min(BUCKETS - 1)] += c as f32;
+    }
+    let sums = worker.comm().allreduce(Payload::Data(v)).await?.into_vec();
+    let mut staleness = Histogram::default();
+    for (k, &c) in sums[1..].iter().enumerate() {
+        for _ in 0..c.round() as u64 {
+            staleness.record(k as u64);
+        }
+    }
+    let summary = (rank == 0).then(|| Summary {
+        workload: w.name().into(),
+        data: s.data.clone(),
+        label: cfg.algo.algorithm.label(),
+        algo: cfg.algo.clone(),
+        optimizer: opt,
+        ranks: p,
+        steps: cfg.steps,
+        seed: cfg.seed,
+        execution: cfg.execution,
+        imbalance: cfg.imbalance,
+        wall_s: wall,
+        samples,
+        samples_per_s: samples as f64 / wall.max(1e-9),
+        final_metrics: last_metrics,
+        wait_fraction: f64::from(sums[0]) / (wall.max(1e-9) * p as f64),
+        staleness,
+        params: s.init.params.len(),
+        checkpoint: last_ckpt,
+    });
+    Ok(RankEnd { summary })
+}
+
+async fn evaluate<W: Workload>(
+    worker: &mut Worker<'_>,
+    fm: &mut FlatModel<W::Model>,
+    s: &Shared<'_, W>,
+    iteration: u64,
+    samples: u64,
+    wall_s: f64,
+) -> Result<(EvalRecord, (Payload, Payload)), TrainError> {
+    let rank = worker.comm().rank();
+    let p = worker.comm().size();
+    let distance = worker.consensus_distance().await?;
+    let (cp, cb) = worker.consensus().await?;
+    let mut stats = eval_with(fm, s.w, cp.as_slice(), cb.as_slice(), rank, p);
+    let k = stats.len();
+    if s.cfg.eval_replica {
+        // Rank 0's replica, sent to everyone (the others contribute zeros).
+        let n = worker.params().len();
+        let nb = worker.buffers().len();
+        let mut mine = vec![0f32; n + nb];
+        if rank == 0 {
+            mine[..n].copy_from_slice(worker.params());
+            mine[n..].copy_from_slice(worker.buffers());
+        }
+        let r0 = worker
+            .comm()
+            .allreduce(Payload::Data(mine))
+            .await?
+            .into_vec();
+        stats.extend(eval_with(fm, s.w, &r0[..n], &r0[n..], rank, p));
+    }
+    let f: Vec<f32> = stats.iter().map(|&x| x as f32).collect();
+    let sums: Vec<f64> = worker
+        .comm()
+        .allreduce(Payload::Data(f))
+        .await?
+        .into_vec()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let named = |xs: &[f64]| -> BTreeMap<String, f64> {
+        s.w.metrics(xs)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    };
+    let rec = EvalRecord {
+        iteration,
+        wall_s,
+        samples,
+        consensus: named(&sums[..k]),
+        replica0: s.cfg.eval_replica.then(|| named(&sums[k..])),
+        consensus_distance: distance,
+    };
+    Ok((rec, (cp, cb)))
+}
+
+fn eval_with<W: Workload>(
+    fm: &mut FlatModel<W::Model>,
+    w: &W,
+    params: &[f32],
+    buffers: &[f32],
+    rank: usize,
+    p: usize,
+) -> Vec<f64> {
+    fm.set_params(params);
+    if !buffers.is_empty() {
+        fm.set_buffers(buffers);
+    }
+    w.evaluate(&fm.eval_model(), rank, p)
+}
+
+async fn write_checkpoint<W: Workload>(
+    worker: &mut Worker<'_>,
+    s: &Shared<'_, W>,
+    local: &W::Local,
+    iteration: u64,
+    samples: u64,
+    train_s: f64,
+) -> Result<PathBuf, TrainError> {
+    worker.quiesce().await?;
+    let rank = worker.comm().rank();
+    let dir = &s.cfg.out.join("checkpoints");
+    let state = RankState {
+        rank,
+        iteration,
+        params: worker.params().to_vec(),
+        buffers: worker.buffers().to_vec(),
+        momentum: worker.momentum().to_vec(),
+        weight: worker.weight(),
+        local: s.w.save_local(local),
+    };
+    let mine = checkpoint::write_rank(dir, &state);
+    let failed = worker
+        .comm()
+        .allreduce(Payload::Data(vec![f32::from(u8::from(mine.is_err()))]))
+        .await?
+        .into_vec();
+    let any_failed = failed.first().is_some_and(|&x| x > 0.0);
+    let mut committed = Ok(dir.clone());
+    if rank == 0 {
+        if any_failed {
+            checkpoint::abandon(dir, iteration);
+        } else {
+            let meta = Meta {
+                format: checkpoint::FORMAT_VERSION,
+                workload: s.w.name().into(),
+                layout: s.init.layout.clone(),
+                algorithm: s.cfg.algo.algorithm.label(),
+                ranks: worker.comm().size(),
+                iteration,
+                seed: s.cfg.seed,
+                samples,
+                train_s,
+            };
+            committed = checkpoint::commit(dir, &meta, 2);
+        }
+    }
+    let ok = worker
+        .comm()
+        .allreduce(Payload::Data(vec![f32::from(u8::from(committed.is_err()))]))
+        .await?
+        .into_vec();
+    mine?;
+    // Leave exactly as a resumed run starts: from a double barrier (see `run_rank`).
+    worker.quiesce().await?;
+    if any_failed {
+        return Err(TrainError::checkpoint(
+            dir,
+            format!(
+                "another rank failed to write its part at iteration {iteration}; the previous checkpoint is kept"
+            ),
+        ));
+    }
+    if ok.first().is_some_and(|&x| x > 0.0) {
+        return Err(committed.err().unwrap_or_else(|| {
+            TrainError::checkpoint(dir, "rank 0 could not complete the checkpoint")
+        }));
+    }
+    committed
+}
