@@ -117,3 +117,173 @@ fn bench_imbalance_refuses_bad_options() {
         assert!(!out.stderr.is_empty());
     }
 }
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("wagma-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn train_writes_metrics_and_summary_and_honours_a_config_file() {
+    let dir = tmp("train");
+    let cfg = dir.with_extension("toml");
+    std::fs::write(&cfg, "workload = \"image\"\nalgo = \"local-sgd\"\nperiod = 2\nsteps = 1000\neval-every = 5\nranks = 3\n").unwrap();
+    let out = wagma()
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .args(["--steps", "10", "--quiet", "true", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    ok(&out);
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["steps"], 10, "the flag overrides the file");
+    assert_eq!(s["ranks"], 3);
+    assert_eq!(s["label"], "local-sgd H=2");
+    let lines = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 2);
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert_eq!(first["iteration"], 5);
+    assert!(first["consensus"]["accuracy"].as_f64().unwrap() > 0.0);
+    assert!(first["replica0"]["accuracy"].is_number());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("summary.json"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&cfg);
+}
+
+#[test]
+fn launch_runs_training_over_tcp() {
+    let dir = tmp("launch");
+    let out = wagma()
+        .args([
+            "launch",
+            "-n",
+            "3",
+            "--timeout",
+            "120",
+            "--",
+            "wagma",
+            "train",
+            "--transport",
+            "tcp",
+            "--steps",
+            "12",
+            "--eval-every",
+            "6",
+            "--quiet",
+            "true",
+            "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    ok(&out);
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["ranks"], 3);
+    assert_eq!(s["execution"], "tcp");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn launch_names_the_rank_that_failed() {
+    let out = wagma()
+        .args([
+            "launch",
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "if [ \"$WAGMA_RANK\" = 1 ]; then exit 7; fi; sleep 0.2",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("rank 1 failed"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
+    let dir = tmp("bad");
+    ok(&wagma()
+        .args([
+            "train", "--steps", "4", "--ranks", "2", "--quiet", "true", "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap());
+    let before = std::fs::read(dir.join("summary.json")).unwrap();
+    let junk = tmp("junk-data");
+    std::fs::create_dir_all(&junk).unwrap();
+    std::fs::write(junk.join("train-images-idx3-ubyte"), b"garbage").unwrap();
+    std::fs::write(junk.join("train-labels-idx1-ubyte"), b"garbage").unwrap();
+    let corrupt = tmp("corrupt-ckpt");
+    std::fs::create_dir_all(&corrupt).unwrap();
+    std::fs::write(corrupt.join("meta.json"), b"{ not json").unwrap();
+    let junk_s = junk.to_string_lossy().into_owned();
+    let corrupt_s = corrupt.to_string_lossy().into_owned();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--workload", "speech"], "unknown workload"),
+        (vec!["--algo", "adam-sgd"], "algorithm"),
+        (vec!["--eval-every", "many"], "invalid value"),
+        (vec!["--ranks", "0"], "ranks"),
+        (vec!["--tau", "0"], "tau"),
+        (vec!["--algo", "sgp", "--peers", "9"], "peers"),
+        (vec!["--data", "/nonexistent/mnist"], "/nonexistent/mnist"),
+        (vec!["--data", &junk_s], "IDX"),
+        (vec!["--resume", &corrupt_s], "unreadable"),
+        (vec!["--resume", "/nonexistent/ckpt"], "no checkpoint"),
+        (vec!["--imbalance", "bursty"], "imbalance profile"),
+    ];
+    for (args, needle) in cases {
+        let out = wagma()
+            .args(["train", "--steps", "4", "--ranks", "2", "--quiet", "true"])
+            .args(&args)
+            .arg("--out")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(
+            std::fs::read(dir.join("summary.json")).unwrap(),
+            before,
+            "{args:?} touched the earlier outputs"
+        );
+    }
+    let out = wagma()
+        .args([
+            "train",
+            "--steps",
+            "4",
+            "--quiet",
+            "true",
+            "--out",
+            "/proc/wagma-no-such-dir",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/proc/wagma-no-such-dir"));
+    for d in [&dir, &junk, &corrupt] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

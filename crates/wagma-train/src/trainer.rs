@@ -209,7 +209,7 @@ struct Shared<'a, W: Workload> {
 
 /// What a rank reports at the end.
 struct RankEnd {
-    summary: Option<Summary>,
+    summary: Summary,
 }
 
 /// Runs the whole training as configured and returns the summary (from rank 0; over TCP, every
@@ -303,11 +303,12 @@ pub fn run<W: Workload>(
             }
         }
     };
-    let mut ends = job.into_all()?;
-    let summary = ends
-        .iter_mut()
-        .find_map(|e| e.summary.take())
-        .ok_or_else(|| TrainError::Config("no rank produced a summary".into()))?;
+    let summary = job
+        .into_all()?
+        .into_iter()
+        .next()
+        .map(|e| e.summary)
+        .ok_or_else(|| TrainError::Config("the job has no rank".into()))?;
     if let Some(o) = &shared.outputs {
         o.finish(&summary)?;
     }
@@ -433,7 +434,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             staleness.record(k as u64);
         }
     }
-    let summary = (rank == 0).then(|| Summary {
+    let summary = Summary {
         workload: w.name().into(),
         data: s.data.clone(),
         label: cfg.algo.algorithm.label(),
@@ -452,7 +453,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         staleness,
         params: s.init.params.len(),
         checkpoint: last_ckpt,
-    });
+    };
     Ok(RankEnd { summary })
 }
 
