@@ -141,7 +141,15 @@ fn train_writes_metrics_and_summary_and_honours_a_config_file() {
     let out = wagma()
         .args(["train", "--config"])
         .arg(&cfg)
-        .args(["--steps", "10", "--quiet", "true", "--out"])
+        .args([
+            "--steps",
+            "10",
+            "--quiet",
+            "true",
+            "--dataset",
+            "builtin",
+            "--out",
+        ])
         .arg(&dir)
         .output()
         .unwrap();
@@ -183,6 +191,8 @@ fn launch_runs_training_over_tcp() {
             "6",
             "--quiet",
             "true",
+            "--dataset",
+            "builtin",
             "--out",
         ])
         .arg(&dir)
@@ -223,7 +233,16 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
     let dir = tmp("bad");
     ok(&wagma()
         .args([
-            "train", "--steps", "4", "--ranks", "2", "--quiet", "true", "--out",
+            "train",
+            "--steps",
+            "4",
+            "--ranks",
+            "2",
+            "--quiet",
+            "true",
+            "--dataset",
+            "builtin",
+            "--out",
         ])
         .arg(&dir)
         .output()
@@ -251,7 +270,10 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
         (vec!["--resume", "/nonexistent/ckpt"], "no checkpoint"),
         (vec!["--imbalance", "bursty"], "imbalance profile"),
     ];
-    for (args, needle) in cases {
+    for (mut args, needle) in cases {
+        if !args.contains(&"--data") {
+            args.extend(["--dataset", "builtin"]);
+        }
         let out = wagma()
             .args(["train", "--steps", "4", "--ranks", "2", "--quiet", "true"])
             .args(&args)
@@ -276,6 +298,8 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
             "4",
             "--quiet",
             "true",
+            "--dataset",
+            "builtin",
             "--out",
             "/proc/wagma-no-such-dir",
         ])
