@@ -1,8 +1,11 @@
 //! `wagma`: train, benchmark and launch WAGMA-SGD jobs.
 
 mod bench;
+mod calibrate;
 mod launch;
 mod local;
+mod plot;
+mod simulate;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +29,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// Simulate the algorithms at up to thousands of ranks in virtual time.
+    #[command(subcommand)]
+    Simulate(simulate::Simulate),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,5 +47,6 @@ fn main() -> anyhow::Result<()> {
         Command::Train(a) => train::run(*a),
         Command::Launch(a) => launch::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::Simulate(s) => simulate::run(s),
     }
 }

@@ -78,6 +78,9 @@ pub struct Args {
     /// Iterations.
     #[arg(long, conflicts_with = "epochs")]
     pub steps: Option<u64>,
+    /// Stop at the first evaluation after this many seconds of training.
+    #[arg(long)]
+    pub budget_seconds: Option<f64>,
     /// Epochs over the training data (image and translate).
     #[arg(long)]
     pub epochs: Option<f64>,
@@ -234,6 +237,7 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
         WorkloadKind::Navigate => 3000,
     });
     c.eval_every = a.eval_every.unwrap_or((c.steps / 6).max(1));
+    c.budget = a.budget_seconds;
     c.batch = a.batch;
     if let Some(p) = &a.imbalance {
         let profile: Profile = p.parse()?;
@@ -345,28 +349,35 @@ fn observer(c: &TrainConfig, primary: &'static str) -> Bar {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let a = args.merged()?;
     let mut c = config(&a)?;
-    let summary = match c.workload {
+    let summary = execute(&mut c, a.epochs)?;
+    print_summary(&summary, &c);
+    Ok(())
+}
+
+/// Loads the workload's data and trains as `c` says (`epochs`, when given, sets the steps).
+pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summary> {
+    Ok(match c.workload {
         WorkloadKind::Image => {
             let (train, test, name) = image::load(&c.dataset, c.seed)?;
             let batch = c.batch.unwrap_or(32);
-            if let Some(e) = a.epochs {
+            if let Some(e) = epochs {
                 c.steps = epochs_to_steps(e, train.len(), batch, c.ranks)?;
             }
             let w = ImageWorkload::new(train, test, batch, 16);
             let data = format!("{name}: {} training and held-out samples", w.train_len());
-            go(&w, &c, data, "accuracy")?
+            go(&w, c, data, "accuracy")?
         }
         WorkloadKind::Translate => {
             let batch = c.batch.unwrap_or(32);
             let w = TranslateWorkload::from_catalogs(c.catalogs.as_deref(), batch, c.seed)?;
-            if let Some(e) = a.epochs {
+            if let Some(e) = epochs {
                 c.steps = epochs_to_steps(e, w.train_len(), batch, c.ranks)?;
             }
             let data = w.describe();
-            go(&w, &c, data, "bleu")?
+            go(&w, c, data, "bleu")?
         }
         WorkloadKind::Navigate => {
-            if a.epochs.is_some() {
+            if epochs.is_some() {
                 bail!("--epochs does not apply to navigate (use --steps)");
             }
             let ppo = PpoConfig {
@@ -375,11 +386,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             };
             let w = NavigateWorkload::new(NavConfig::default(), ppo, 64);
             let data = w.describe();
-            go(&w, &c, data, "spl")?
+            go(&w, c, data, "spl")?
         }
-    };
-    print_summary(&summary, &c);
-    Ok(())
+    })
+}
+
+/// The metric that decides "better" for a workload.
+pub fn primary_metric(w: WorkloadKind) -> &'static str {
+    match w {
+        WorkloadKind::Image => "accuracy",
+        WorkloadKind::Translate => "bleu",
+        WorkloadKind::Navigate => "spl",
+    }
 }
 
 fn epochs_to_steps(e: f64, n: usize, batch: usize, ranks: usize) -> anyhow::Result<u64> {

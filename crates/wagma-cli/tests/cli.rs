@@ -311,3 +311,65 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn bench_paper_smoke_writes_results_plots_and_report() {
+    let dir = tmp("paper");
+    let out = wagma()
+        .args([
+            "bench",
+            "paper",
+            "--workload",
+            "image",
+            "--ranks",
+            "3",
+            "--steps",
+            "6",
+            "--eval-points",
+            "2",
+            "--ablations",
+            "--time-scale",
+            "0.002",
+            "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    ok(&out);
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap();
+    let runs = r["runs"].as_array().unwrap();
+    assert!(runs.len() > 8, "all algorithms and the ablations");
+    assert_eq!(runs.iter().filter(|x| x["group"] == "main").count(), 8);
+    assert!(r["target"].is_number());
+    let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
+    assert_eq!(csv.lines().count(), runs.len() + 1);
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(report.contains("| algorithm |") && report.contains("bench paper"));
+    if report.contains("![") {
+        for f in [
+            "metric_vs_time",
+            "metric_vs_samples",
+            "throughput",
+            "staleness",
+            "ablations",
+        ] {
+            for ext in ["png", "svg"] {
+                let p = dir.join(format!("{f}.{ext}"));
+                assert!(
+                    std::fs::metadata(&p)
+                        .map(|m| m.len() > 1000)
+                        .unwrap_or(false),
+                    "{} missing",
+                    p.display()
+                );
+            }
+        }
+    } else {
+        assert!(
+            report.contains("No plots:"),
+            "the report must say why it has no plots"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

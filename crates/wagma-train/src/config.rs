@@ -74,8 +74,11 @@ pub struct TrainConfig {
     pub optimizer: Option<OptimizerConfig>,
     /// Ranks (ignored over TCP, where the job decides).
     pub ranks: usize,
-    /// Iterations.
+    /// Iterations (at most, with a budget).
     pub steps: u64,
+    /// Stop at the first evaluation after this much training time.
+    #[serde(default)]
+    pub budget: Option<f64>,
     /// Evaluate every this many iterations (and at the end).
     pub eval_every: u64,
     /// Samples (or sentences, or environment episodes) per local step; `None`: the workload's.
@@ -111,6 +114,7 @@ impl Default for TrainConfig {
             optimizer: None,
             ranks: 8,
             steps: 600,
+            budget: None,
             eval_every: 100,
             batch: None,
             seed: 1,
@@ -144,6 +148,11 @@ impl TrainConfig {
         if self.checkpoint_every == Some(0) {
             return Err(TrainError::Config(
                 "checkpoint-every must be at least 1".into(),
+            ));
+        }
+        if self.budget.is_some_and(|b| !(b.is_finite() && b > 0.0)) {
+            return Err(TrainError::Config(
+                "the time budget must be positive".into(),
             ));
         }
         if self.timeout.is_zero() {

@@ -371,6 +371,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let mut last_metrics = BTreeMap::new();
     let ckpt_every = cfg.checkpoint_every;
     let mut next_ckpt = ckpt_every.map(|k| start_iter + k);
+    let mut steps_done = start_iter;
     for t in start_iter..cfg.steps {
         if let Some(im) = &cfg.imbalance {
             let d = im.step_times(t, p).get(rank).copied().unwrap_or(0.0);
@@ -393,21 +394,27 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             s.observer
                 .step(done, samples, clock(worker.comm(), excluded));
         }
+        let mut out_of_budget = false;
         if done % cfg.eval_every == 0 || done == cfg.steps {
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
-            let (rec, consensus) = evaluate(&mut worker, &mut fm, s, done, samples, now).await?;
+            let ev = evaluate(&mut worker, &mut fm, s, done, samples, now).await?;
             excluded += (worker.comm().now() - e0).as_secs_f64();
+            out_of_budget = ev.out_of_budget;
             if rank == 0 {
                 if let Some(o) = &s.outputs {
-                    o.record(&rec)?;
-                    if done == cfg.steps {
-                        o.save_model(done, consensus)?;
+                    o.record(&ev.record)?;
+                    if done == cfg.steps || out_of_budget {
+                        o.save_model(done, ev.consensus)?;
                     }
                 }
-                s.observer.eval(&rec);
+                s.observer.eval(&ev.record);
             }
-            last_metrics = rec.consensus;
+            last_metrics = ev.record.consensus;
+        }
+        steps_done = done;
+        if out_of_budget {
+            break;
         }
         if next_ckpt.is_some_and(|k| done >= k) && cfg.algo.is_clean_point(done) && done < cfg.steps
         {
@@ -430,9 +437,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let sums = worker.comm().allreduce(Payload::Data(v)).await?.into_vec();
     let mut staleness = Histogram::default();
     for (k, &c) in sums[1..].iter().enumerate() {
-        for _ in 0..c.round() as u64 {
-            staleness.record(k as u64);
-        }
+        staleness.record_n(k as u64, c.round() as u64);
     }
     let summary = Summary {
         workload: w.name().into(),
@@ -441,7 +446,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         algo: cfg.algo.clone(),
         optimizer: opt,
         ranks: p,
-        steps: cfg.steps,
+        steps: steps_done,
         seed: cfg.seed,
         execution: cfg.execution,
         imbalance: cfg.imbalance,
@@ -464,7 +469,7 @@ async fn evaluate<W: Workload>(
     iteration: u64,
     samples: u64,
     wall_s: f64,
-) -> Result<(EvalRecord, (Payload, Payload)), TrainError> {
+) -> Result<Evaluation, TrainError> {
     let rank = worker.comm().rank();
     let p = worker.comm().size();
     let distance = worker.consensus_distance().await?;
@@ -487,6 +492,8 @@ async fn evaluate<W: Workload>(
             .into_vec();
         stats.extend(eval_with(fm, s.w, &r0[..n], &r0[n..], rank, p));
     }
+    // Rank 0's training clock rides along: every rank learns whether the budget is spent.
+    stats.push(if rank == 0 { wall_s } else { 0.0 });
     let f: Vec<f32> = stats.iter().map(|&x| x as f32).collect();
     let sums: Vec<f64> = worker
         .comm()
@@ -502,15 +509,28 @@ async fn evaluate<W: Workload>(
             .map(|(k, v)| (k.to_string(), v))
             .collect()
     };
-    let rec = EvalRecord {
+    let clock0 = sums.last().copied().unwrap_or(0.0);
+    let record = EvalRecord {
         iteration,
         wall_s,
         samples,
         consensus: named(&sums[..k]),
-        replica0: s.cfg.eval_replica.then(|| named(&sums[k..])),
+        replica0: s.cfg.eval_replica.then(|| named(&sums[k..sums.len() - 1])),
         consensus_distance: distance,
     };
-    Ok((rec, (cp, cb)))
+    Ok(Evaluation {
+        record,
+        consensus: (cp, cb),
+        out_of_budget: s.cfg.budget.is_some_and(|b| clock0 >= b),
+    })
+}
+
+/// An evaluation and what it implies.
+struct Evaluation {
+    record: EvalRecord,
+    consensus: (Payload, Payload),
+    /// Rank 0's training time has reached the budget: every rank stops here.
+    out_of_budget: bool,
 }
 
 fn eval_with<W: Workload>(

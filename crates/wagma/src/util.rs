@@ -32,7 +32,14 @@ pub struct Histogram {
 impl Histogram {
     /// Counts one observation of `value`.
     pub fn record(&mut self, value: u64) {
-        *self.counts.entry(value).or_default() += 1;
+        self.record_n(value, 1);
+    }
+
+    /// Counts `n` observations of `value`.
+    pub fn record_n(&mut self, value: u64, n: u64) {
+        if n > 0 {
+            *self.counts.entry(value).or_default() += n;
+        }
     }
 
     /// Adds every count of `other`.

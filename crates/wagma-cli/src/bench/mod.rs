@@ -2,6 +2,7 @@
 
 mod collectives;
 mod imbalance;
+mod paper;
 
 use std::io::{BufRead, BufReader};
 
@@ -39,6 +40,9 @@ pub enum Bench {
     /// Every algorithm on the same emulated compute-time draws, with real communication:
     /// throughput, waiting, staleness, next to the ideal and each algorithm's own bound.
     Imbalance(imbalance::Args),
+    /// The paper's comparison at small scale: every algorithm (and optionally WAGMA's
+    /// ablations) trains a workload; time to a target metric, curves, plots and a report.
+    Paper(Box<paper::Args>),
 }
 
 /// Runs a benchmark.
@@ -46,16 +50,17 @@ pub fn run(b: Bench) -> anyhow::Result<()> {
     match b {
         Bench::Collectives(a) => collectives::run(a),
         Bench::Imbalance(a) => imbalance::run(a),
+        Bench::Paper(a) => paper::run(*a),
     }
 }
 
 /// True in a process started by [`run_tcp_workers`].
-fn is_worker() -> bool {
+pub fn is_worker() -> bool {
     std::env::var_os(WORKER).is_some()
 }
 
 /// Runs this very command as `ranks` local processes over TCP and returns what rank 0 reports.
-fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
+pub fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
     let exe = std::env::current_exe().context("locating the wagma binary")?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut job = LocalJob::spawn(ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
@@ -80,7 +85,7 @@ fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
 
 /// In a process started by [`run_tcp_workers`]: joins the job, runs `f`, and rank 0 prints
 /// the result for the parent.
-fn tcp_worker<T: Serialize>(
+pub fn tcp_worker<T: Serialize>(
     cfg: EngineConfig,
     f: impl AsyncFnOnce(&mut Comm) -> Result<T, wagma::Error>,
 ) -> anyhow::Result<()> {

@@ -133,9 +133,7 @@ pub async fn run(comm: &mut Comm, spec: &Spec) -> Result<JobStats, Error> {
     let sum = comm.allreduce(Payload::Data(v)).await?.into_vec();
     let mut hist = Histogram::default();
     for (s, &c) in sum[p + 2..].iter().enumerate() {
-        for _ in 0..c.round() as u64 {
-            hist.record(s as u64);
-        }
+        hist.record_n(s as u64, c.round() as u64);
     }
     Ok(JobStats {
         ranks: p,

@@ -36,8 +36,14 @@ pub(super) struct Running {
     posted: bool,
     buf: WorkBuf,
     weight: f64,
+    /// Carried and merged only for group rounds, where passive members make them informative.
     contributions: Vec<Contribution>,
+    track: bool,
     got: Vec<Option<Envelope>>,
+    /// Receives of the current phase still missing.
+    waiting: usize,
+    /// `(peer, step)` to receive slot, for phases with many receives.
+    index: HashMap<(Rank, u16), usize>,
 }
 
 impl Running {
@@ -65,8 +71,19 @@ impl Running {
             buf: WorkBuf::new(buf),
             weight,
             contributions,
+            track: kind == Kind::Round,
             got: Vec::new(),
+            waiting: 0,
+            index: HashMap::new(),
         }
+    }
+
+    /// Stores a received message in slot `i`.
+    fn fill(&mut self, i: usize, env: Envelope) {
+        if self.got[i].is_none() {
+            self.waiting -= 1;
+        }
+        self.got[i] = Some(env);
     }
 
     /// Takes `env` if the current phase waits for it; hands it back otherwise.
@@ -77,14 +94,21 @@ impl Running {
         let Some(phase) = self.schedule.phases.get(self.phase) else {
             return Ok(Some(env));
         };
-        let slot = phase.recvs.iter().enumerate().position(|(i, r)| {
-            r.peer == env.from && r.step == env.tag.step && self.got[i].is_none()
-        });
+        let slot = if self.index.is_empty() {
+            phase.recvs.iter().enumerate().position(|(i, r)| {
+                r.peer == env.from && r.step == env.tag.step && self.got[i].is_none()
+            })
+        } else {
+            self.index
+                .get(&(env.from, env.tag.step))
+                .copied()
+                .filter(|&i| self.got[i].is_none())
+        };
         match slot {
             None => Ok(Some(env)),
             Some(i) => {
                 self.validate(rank, &env, phase.recvs[i].range.len())?;
-                self.got[i] = Some(env);
+                self.fill(i, env);
                 Ok(None)
             }
         }
@@ -139,13 +163,27 @@ impl Running {
                             total_len: self.buf.len() as u64,
                             weight: self.weight,
                             aux: 0,
-                            contributions: self.contributions.clone(),
+                            contributions: if self.track {
+                                self.contributions.clone()
+                            } else {
+                                Vec::new()
+                            },
                         },
                         data: self.buf.view(s.range.clone()),
                     };
                     sends.push((s.peer, env));
                 }
                 self.got = phase.recvs.iter().map(|_| None).collect();
+                self.waiting = phase.recvs.len();
+                self.index.clear();
+                if phase.recvs.len() > 8 {
+                    self.index = phase
+                        .recvs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, r)| ((r.peer, r.step), i))
+                        .collect();
+                }
                 self.posted = true;
                 for (i, r) in phase.recvs.iter().enumerate() {
                     let key = (
@@ -163,12 +201,15 @@ impl Running {
                         }
                         if let Some(env) = env {
                             self.validate(rank, &env, r.range.len())?;
+                            if self.got[i].is_none() {
+                                self.waiting -= 1;
+                            }
                             self.got[i] = Some(env);
                         }
                     }
                 }
             }
-            if self.got.iter().any(Option::is_none) {
+            if self.waiting > 0 {
                 return Ok(false);
             }
             let combine = phase.combine;
@@ -194,7 +235,9 @@ impl Running {
         self.weight = weights.iter().skip(1).fold(weights[0].1, |w, (_, x)| w + x);
         let mut others = Vec::with_capacity(got.len());
         for env in got {
-            merge(&mut self.contributions, &env.meta.contributions);
+            if self.track {
+                merge(&mut self.contributions, &env.meta.contributions);
+            }
             others.push((env.from, env.data));
         }
         self.buf.sum(rank, range, others);
@@ -203,7 +246,9 @@ impl Running {
     fn copy(&mut self, ranges: Vec<std::ops::Range<usize>>, got: Vec<Envelope>) {
         let whole = ranges.len() == 1 && ranges[0].len() == self.buf.len();
         for (range, env) in ranges.into_iter().zip(got) {
-            merge(&mut self.contributions, &env.meta.contributions);
+            if self.track {
+                merge(&mut self.contributions, &env.meta.contributions);
+            }
             if whole {
                 self.weight = env.meta.weight;
             }

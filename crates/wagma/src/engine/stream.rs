@@ -356,9 +356,7 @@ impl Engine {
                 };
                 if own {
                     let seq = stream_seq(self.epoch(), round);
-                    for e in tree_children(rank, rank, ranks, None) {
-                        self.send_activation(seq, rank, e.rank, e.dim, out);
-                    }
+                    self.forward_activation(seq, rank, None, out);
                 }
                 let s = self.stream.as_mut().expect("checked above");
                 if own || s.trigger == Trigger::Lockstep {
@@ -369,6 +367,35 @@ impl Engine {
         }
         self.try_deliver(out);
         Ok(())
+    }
+
+    /// Sends this rank's edges of the activation tree rooted at `root` below the dimension it
+    /// received on. With P a power of two the edge on dimension j always joins this rank and
+    /// `rank XOR 2^j`, whatever the root, so each is sent at most once per round however many
+    /// ranks activate it (fflib's consumable sends: at most log2 P messages per rank and round).
+    /// Otherwise every activator's tree is forwarded.
+    fn forward_activation(
+        &mut self,
+        seq: u64,
+        root: Rank,
+        received_on: Option<u32>,
+        out: &mut Vec<Action>,
+    ) {
+        let mut children = tree_children(root, self.rank, self.ranks, received_on);
+        if self.ranks.is_power_of_two() {
+            let mask = self.activations_sent.entry(seq).or_insert(0);
+            children.retain(|e| *mask & (1 << e.dim) == 0);
+            for e in &children {
+                *mask |= 1 << e.dim;
+            }
+            // Old rounds' masks are no longer needed once far behind.
+            while self.activations_sent.len() > 256 {
+                self.activations_sent.pop_first();
+            }
+        }
+        for e in children {
+            self.send_activation(seq, root, e.rank, e.dim, out);
+        }
     }
 
     fn send_activation(&mut self, seq: u64, root: Rank, to: Rank, dim: u32, out: &mut Vec<Action>) {
@@ -401,9 +428,7 @@ impl Engine {
             self.fail(err, out);
             return;
         }
-        for e in tree_children(root, self.rank, self.ranks, Some(u32::from(env.tag.step))) {
-            self.send_activation(env.tag.seq, root, e.rank, e.dim, out);
-        }
+        self.forward_activation(env.tag.seq, root, Some(u32::from(env.tag.step)), out);
         self.activate(now, epoch, round, out);
     }
 
@@ -525,6 +550,18 @@ impl Engine {
             RoundKind::Sync
         } else {
             RoundKind::Group
+        };
+        // A sync only runs once every rank has arrived: every member is fresh, and its
+        // messages carry no member lists.
+        let members = if kind == RoundKind::Sync {
+            (0..ranks)
+                .map(|rank| Contribution {
+                    rank,
+                    steps: round + 1,
+                })
+                .collect()
+        } else {
+            members
         };
         s.results.insert(
             round,

@@ -198,9 +198,11 @@ impl Core {
                 }
             }
         }
+        // One pending tick per rank, at its earliest deadline: a later deadline waits for
+        // that tick, which reschedules (see `handle`).
         let deadline = self.engines[rank].next_deadline();
         if let Some(d) = deadline
-            && self.tick_at[rank] != Some(d)
+            && self.tick_at[rank].is_none_or(|t| d < t)
         {
             self.tick_at[rank] = Some(d);
             self.schedule(d.max(self.now), Event::Tick { rank });

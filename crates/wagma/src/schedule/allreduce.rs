@@ -81,9 +81,11 @@ pub(crate) fn chunk(c: usize, n: usize, len: usize) -> std::ops::Range<usize> {
     (c * len / n)..((c + 1) * len / n)
 }
 
-/// Reduce-scatter + allgather: member `i` owns chunk `i`; every member sends each chunk to its
-/// owner (step 0), the owner sums its chunk in rank order, then sends it to every member
-/// (step 1). Each rank sends `2(S-1)` messages and `2(S-1)/S` of the buffer: bandwidth-optimal.
+/// Reduce-scatter + allgather, bandwidth-optimal (each rank sends `2(S-1)/S` of the buffer).
+/// Power-of-two groups use recursive halving then recursive doubling (Rabenseifner's
+/// algorithm: `2 log2 S` messages, and the same reduction tree as recursive doubling, so the
+/// two give identical bits); other groups use the direct exchange (`2(S-1)` messages, sums in
+/// rank order).
 pub fn reduce_scatter_allgather(rank: Rank, members: &[Rank], len: usize) -> Schedule {
     let Ok(idx) = members.binary_search(&rank) else {
         return Schedule::default();
@@ -95,6 +97,74 @@ pub fn reduce_scatter_allgather(rank: Rank, members: &[Rank], len: usize) -> Sch
             phases: Vec::new(),
         };
     }
+    if n.is_power_of_two() {
+        return halving_doubling(idx, members, len);
+    }
+    direct(idx, members, len)
+}
+
+/// Recursive halving (step k: keep the half of the current range selected by bit k of the
+/// position, send the other half to the member differing in bit k, sum) then recursive
+/// doubling of the owned ranges in reverse order.
+fn halving_doubling(idx: usize, members: &[Rank], len: usize) -> Schedule {
+    let levels = members.len().trailing_zeros() as u16;
+    let mut phases = Vec::with_capacity(2 * levels as usize);
+    let mut spans = Vec::with_capacity(levels as usize);
+    let (mut lo, mut hi) = (0usize, len);
+    let split = |lo: usize, hi: usize, k: u16| {
+        let mid = lo + (hi - lo) / 2;
+        if idx & (1 << k) == 0 {
+            (lo..mid, mid..hi)
+        } else {
+            (mid..hi, lo..mid)
+        }
+    };
+    for k in 0..levels {
+        let peer = members[idx ^ (1 << k)];
+        let (keep, give) = split(lo, hi, k);
+        spans.push((lo, hi));
+        phases.push(Phase {
+            sends: vec![Transfer {
+                peer,
+                range: give,
+                step: k,
+            }],
+            recvs: vec![Transfer {
+                peer,
+                range: keep.clone(),
+                step: k,
+            }],
+            combine: Combine::Sum,
+        });
+        (lo, hi) = (keep.start, keep.end);
+    }
+    for k in (0..levels).rev() {
+        let peer = members[idx ^ (1 << k)];
+        let (plo, phi) = spans[k as usize];
+        let (mine, theirs) = split(plo, phi, k);
+        let step = 2 * levels - 1 - k;
+        phases.push(Phase {
+            sends: vec![Transfer {
+                peer,
+                range: mine,
+                step,
+            }],
+            recvs: vec![Transfer {
+                peer,
+                range: theirs,
+                step,
+            }],
+            combine: Combine::Copy,
+        });
+    }
+    Schedule { len, phases }
+}
+
+/// Direct reduce-scatter + allgather: member `i` owns chunk `i`; every member sends each
+/// chunk to its owner (step 0), the owner sums its chunk in rank order, then sends it to every
+/// member (step 1).
+fn direct(idx: usize, members: &[Rank], len: usize) -> Schedule {
+    let n = members.len();
     let mine = chunk(idx, n, len);
     // Send order starts after our own position so that owners are not all hit at once.
     let others: Vec<usize> = (1..n).map(|k| (idx + k) % n).collect();
@@ -182,8 +252,12 @@ mod tests {
         let rd = recursive_doubling(3, &m, 1000).cost();
         assert_eq!((rd.messages, rd.bytes, rd.phases), (3, 12000, 3));
         let rs = reduce_scatter_allgather(3, &m, 1000).cost();
-        assert_eq!(rs.messages, 14);
-        assert_eq!(rs.bytes, 4 * (1000 - 125) + 4 * 125 * 7);
+        assert_eq!(rs.messages, 6);
+        assert_eq!(rs.bytes, 2 * 4 * (500 + 250 + 125));
+        let m6: Vec<Rank> = (0..6).collect();
+        let d = reduce_scatter_allgather(3, &m6, 600).cost();
+        assert_eq!(d.messages, 10);
+        assert_eq!(d.bytes, 4 * (600 - 100) + 4 * 100 * 5);
         // Folded member of a 5-group: one send in, one result back.
         let m5: Vec<Rank> = (0..5).collect();
         assert_eq!(recursive_doubling(4, &m5, 10).cost().messages, 1);

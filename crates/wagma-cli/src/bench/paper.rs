@@ -1,0 +1,599 @@
+//! `wagma bench paper`: the paper's comparison at small scale. Every algorithm trains the same
+//! workload (same data, seed, initial model and imbalance draws); for each we record the metric
+//! over wall time and over samples, the time to reach a target (given, or 98% of what
+//! allreduce-SGD finally reaches), throughput, waiting and staleness; optionally the paper's
+//! ablations of WAGMA. Outputs: `results.json`, `results.csv`, plots (PNG and SVG) and
+//! `report.md`, all produced by this command.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::Args as ClapArgs;
+use serde::{Deserialize, Serialize};
+use wagma::algo::{AlgoConfig, Algorithm, CombineRule, WagmaOptions};
+use wagma::imbalance::{Imbalance, Profile};
+use wagma::topology::{GroupingKind, default_group_size};
+use wagma_train::trainer::EvalRecord;
+use wagma_train::workloads::image::Dataset;
+use wagma_train::{Summary, TrainConfig, WorkloadKind};
+
+use crate::plot::{self, Series};
+use crate::train::{execute, primary_metric};
+
+/// Options of `wagma bench paper`.
+#[derive(ClapArgs, Debug, Clone, Serialize, Deserialize)]
+pub struct Args {
+    /// Workload: image, translate or navigate.
+    #[arg(long, default_value = "image")]
+    pub workload: String,
+    /// Ranks.
+    #[arg(long, default_value_t = 8)]
+    pub ranks: usize,
+    /// Injected imbalance (default: paper-resnet for image; none for translate and navigate,
+    /// whose imbalance is natural).
+    #[arg(long)]
+    pub imbalance: Option<Profile>,
+    /// Scale of the injected times (1 = the paper's).
+    #[arg(long, default_value_t = 0.05)]
+    pub time_scale: f64,
+    /// Iterations per algorithm.
+    #[arg(long, conflicts_with = "budget_seconds")]
+    pub steps: Option<u64>,
+    /// Training seconds per algorithm instead of a number of iterations.
+    #[arg(long)]
+    pub budget_seconds: Option<f64>,
+    /// Evaluations per run.
+    #[arg(long, default_value_t = 10)]
+    pub eval_points: u64,
+    /// Target metric (default: 98% of allreduce-sgd's final value).
+    #[arg(long)]
+    pub target: Option<f64>,
+    /// Also run WAGMA's ablations (groups, group size, tau, combination rule).
+    #[arg(long)]
+    pub ablations: bool,
+    /// Algorithms, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub algos: Vec<String>,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Image data: auto (Fashion-MNIST if installed) or builtin.
+    #[arg(long, default_value = "builtin")]
+    pub dataset: String,
+    /// Samples per local step.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Output directory.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// One training run in the comparison.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Run {
+    /// Algorithm label.
+    pub label: String,
+    /// `main`, or the ablation it belongs to.
+    pub group: String,
+    /// The configuration.
+    pub algo: AlgoConfig,
+    /// The run's summary.
+    pub summary: Summary,
+    /// Every evaluation.
+    pub curve: Vec<EvalRecord>,
+    /// Seconds of training until the target was first reached.
+    pub time_to_target_s: Option<f64>,
+    /// Samples until the target was first reached.
+    pub samples_to_target: Option<u64>,
+}
+
+/// Facts about the machine, for the report.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Machine {
+    /// Cores available.
+    pub cores: usize,
+    /// CPU model.
+    pub cpu: String,
+    /// Memory in GiB.
+    pub memory_gib: f64,
+}
+
+/// `results.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Results {
+    /// The command that produced this.
+    pub command: String,
+    /// Options.
+    pub args: Args,
+    /// Machine.
+    pub machine: Machine,
+    /// The metric compared.
+    pub metric: String,
+    /// The target.
+    pub target: Option<f64>,
+    /// Every run.
+    pub runs: Vec<Run>,
+}
+
+fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|r| r.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib: f64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|r| r.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0.0);
+    Machine {
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cpu,
+        memory_gib: kib / (1 << 20) as f64,
+    }
+}
+
+/// The runs to make: every algorithm, then (optionally) WAGMA's ablations.
+fn plan(args: &Args) -> anyhow::Result<Vec<(String, AlgoConfig)>> {
+    let names: Vec<String> = if args.algos.is_empty() {
+        Algorithm::NAMES.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.algos.clone()
+    };
+    let cfg = |a: Algorithm| {
+        let mut c = AlgoConfig::new(a);
+        c.seed = args.seed;
+        c
+    };
+    let mut out = Vec::new();
+    for n in &names {
+        let a = Algorithm::from_name(n.trim())?;
+        a.validate(args.ranks)?;
+        out.push(("main".to_string(), cfg(a)));
+    }
+    if args.ablations {
+        let p = args.ranks;
+        let base = WagmaOptions::default();
+        let w = |o: WagmaOptions| cfg(Algorithm::Wagma(o));
+        for g in [
+            GroupingKind::Fixed,
+            GroupingKind::Random { seed: args.seed },
+        ] {
+            out.push((
+                "groups".into(),
+                w(WagmaOptions {
+                    groups: g,
+                    ..base.clone()
+                }),
+            ));
+        }
+        let mut sizes = vec![2, default_group_size(p), p];
+        sizes.sort_unstable();
+        sizes.dedup();
+        for s in sizes
+            .into_iter()
+            .filter(|&s| s != default_group_size(p) && s <= p)
+        {
+            out.push((
+                "group size".into(),
+                w(WagmaOptions {
+                    group_size: Some(s),
+                    ..base.clone()
+                }),
+            ));
+        }
+        for tau in [Some(1), Some(4), None] {
+            out.push((
+                "tau".into(),
+                w(WagmaOptions {
+                    tau,
+                    ..base.clone()
+                }),
+            ));
+        }
+        out.push((
+            "combine".into(),
+            w(WagmaOptions {
+                combine: CombineRule::Damped,
+                ..base
+            }),
+        ));
+    }
+    Ok(out)
+}
+
+fn read_curve(dir: &Path) -> anyhow::Result<Vec<EvalRecord>> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .with_context(|| format!("reading the metrics of {}", dir.display()))?;
+    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+}
+
+fn slug(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect::<String>()
+        .split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// Runs the comparison.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let workload: WorkloadKind = args.workload.parse()?;
+    if args.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    if args.eval_points == 0 {
+        bail!("--eval-points must be at least 1");
+    }
+    let metric = primary_metric(workload);
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("runs/paper-{workload}")));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let plan = plan(&args)?;
+    let steps = args.steps.unwrap_or(match workload {
+        WorkloadKind::Image => 600,
+        WorkloadKind::Translate => 900,
+        WorkloadKind::Navigate => 2000,
+    });
+    let profile = args.imbalance.unwrap_or(match workload {
+        WorkloadKind::Image => Profile::PaperResnet,
+        _ => Profile::None,
+    });
+    let mut runs = Vec::with_capacity(plan.len());
+    for (i, (group, algo)) in plan.iter().enumerate() {
+        let label = algo.algorithm.label();
+        let dir = out.join("runs").join(format!("{i:02}-{}", slug(&label)));
+        let mut c = TrainConfig {
+            workload,
+            algo: algo.clone(),
+            ranks: args.ranks,
+            steps: if args.budget_seconds.is_some() {
+                u64::MAX / 4
+            } else {
+                steps
+            },
+            budget: args.budget_seconds,
+            eval_every: (steps / args.eval_points).max(1),
+            batch: args.batch,
+            seed: args.seed,
+            imbalance: (profile != Profile::None).then_some(Imbalance {
+                profile,
+                time_scale: args.time_scale,
+                seed: args.seed,
+            }),
+            dataset: match args.dataset.as_str() {
+                "builtin" => Dataset::Builtin,
+                "auto" => Dataset::Auto,
+                d => Dataset::Idx(d.into()),
+            },
+            out: dir.clone(),
+            progress: false,
+            ..TrainConfig::default()
+        };
+        c.optimizer = Some(wagma_train::config::default_optimizer(workload, steps));
+        c.validate()?;
+        eprint!("[{}/{}] {label} ({group}) ... ", i + 1, plan.len());
+        let summary = execute(&mut c, None)?;
+        eprintln!(
+            "{metric} {:.4} in {:.1} s ({:.0} samples/s)",
+            summary
+                .final_metrics
+                .get(metric)
+                .copied()
+                .unwrap_or(f64::NAN),
+            summary.wall_s,
+            summary.samples_per_s
+        );
+        runs.push(Run {
+            label,
+            group: group.clone(),
+            algo: algo.clone(),
+            curve: read_curve(&dir)?,
+            summary,
+            time_to_target_s: None,
+            samples_to_target: None,
+        });
+    }
+    let target = args.target.or_else(|| {
+        runs.iter()
+            .find(|r| r.group == "main" && r.algo.algorithm == Algorithm::AllreduceSgd)
+            .and_then(|r| r.summary.final_metrics.get(metric))
+            .map(|v| 0.98 * v)
+    });
+    if let Some(t) = target {
+        for r in &mut runs {
+            if let Some(e) = r
+                .curve
+                .iter()
+                .find(|e| e.consensus.get(metric).is_some_and(|&v| v >= t))
+            {
+                r.time_to_target_s = Some(e.wall_s);
+                r.samples_to_target = Some(e.samples);
+            }
+        }
+    }
+    let results = Results {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        args,
+        machine: machine(),
+        metric: metric.to_string(),
+        target,
+        runs,
+    };
+    std::fs::write(
+        out.join("results.json"),
+        serde_json::to_vec_pretty(&results)?,
+    )?;
+    std::fs::write(out.join("results.csv"), csv(&results))?;
+    let plots = plots(&results, &out);
+    std::fs::write(out.join("report.md"), report(&results, &plots))?;
+    println!("{}", table(&results));
+    println!("report: {}", out.join("report.md").display());
+    Ok(())
+}
+
+fn csv(r: &Results) -> String {
+    let mut s = String::from(
+        "label,group,final_metric,time_to_target_s,samples_to_target,samples_per_s,wait_fraction,staleness_mean,staleness_max,wall_s,steps\n",
+    );
+    for run in &r.runs {
+        let m = run
+            .summary
+            .final_metrics
+            .get(&r.metric)
+            .copied()
+            .unwrap_or(f64::NAN);
+        let _ = writeln!(
+            s,
+            "{},{},{m:.5},{},{},{:.2},{:.4},{:.3},{},{:.2},{}",
+            run.label,
+            run.group,
+            run.time_to_target_s
+                .map_or(String::new(), |t| format!("{t:.2}")),
+            run.samples_to_target
+                .map_or(String::new(), |t| t.to_string()),
+            run.summary.samples_per_s,
+            run.summary.wait_fraction,
+            run.summary.staleness.mean(),
+            run.summary
+                .staleness
+                .max()
+                .map_or(String::new(), |x| x.to_string()),
+            run.summary.wall_s,
+            run.summary.steps
+        );
+    }
+    s
+}
+
+/// Markdown table of the runs.
+fn table(r: &Results) -> String {
+    let mut s = format!(
+        "| algorithm | group | final {m} | time to target (s) | samples/s | waiting | staleness mean/max |\n|---|---|---|---|---|---|---|\n",
+        m = r.metric
+    );
+    for run in &r.runs {
+        let st = &run.summary.staleness;
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.4} | {} | {:.0} | {:.1}% | {} |",
+            run.label,
+            run.group,
+            run.summary
+                .final_metrics
+                .get(&r.metric)
+                .copied()
+                .unwrap_or(f64::NAN),
+            run.time_to_target_s
+                .map_or("not reached".into(), |t| format!("{t:.1}")),
+            run.summary.samples_per_s,
+            100.0 * run.summary.wait_fraction,
+            if st.total() == 0 {
+                "-".into()
+            } else {
+                format!("{:.2}/{}", st.mean(), st.max().unwrap_or(0))
+            }
+        );
+    }
+    s
+}
+
+/// Draws the plots; returns their file names (relative to `out`) or why there are none.
+fn plots(r: &Results, out: &Path) -> Result<Vec<(String, String)>, String> {
+    let main: Vec<&Run> = r.runs.iter().filter(|x| x.group == "main").collect();
+    let series = |runs: &[&Run], x: fn(&EvalRecord) -> f64| -> Vec<Series> {
+        runs.iter()
+            .map(|run| Series {
+                name: run.label.clone(),
+                points: run
+                    .curve
+                    .iter()
+                    .filter_map(|e| e.consensus.get(&r.metric).map(|&m| (x(e), m)))
+                    .collect(),
+            })
+            .collect()
+    };
+    let hline = r.target.map(|t| (t, "target"));
+    let mut made = Vec::new();
+    let mut add =
+        |name: &str, caption: &str, res: anyhow::Result<Vec<PathBuf>>| -> Result<(), String> {
+            res.map_err(|e| e.to_string())?;
+            made.push((format!("{name}.png"), caption.to_string()));
+            Ok(())
+        };
+    add(
+        "metric_vs_time",
+        &format!("{} of the consensus model over training time", r.metric),
+        plot::lines(
+            &out.join("metric_vs_time"),
+            &format!("{} over time", r.metric),
+            "training seconds",
+            &r.metric,
+            &series(&main, |e| e.wall_s),
+            hline,
+        ),
+    )?;
+    add(
+        "metric_vs_samples",
+        &format!("{} over samples processed", r.metric),
+        plot::lines(
+            &out.join("metric_vs_samples"),
+            &format!("{} over samples", r.metric),
+            "samples (all ranks)",
+            &r.metric,
+            &series(&main, |e| e.samples as f64),
+            hline,
+        ),
+    )?;
+    let labels: Vec<String> = main.iter().map(|x| short(&x.label)).collect();
+    let measured: Vec<f64> = main.iter().map(|x| x.summary.samples_per_s).collect();
+    let no_wait: Vec<f64> = main
+        .iter()
+        .map(|x| x.summary.samples_per_s / (1.0 - x.summary.wait_fraction).max(1e-3))
+        .collect();
+    add(
+        "throughput",
+        "throughput, measured and without the time spent waiting",
+        plot::bars(
+            &out.join("throughput"),
+            "throughput",
+            "samples/s",
+            &labels,
+            &[
+                ("measured".into(), measured),
+                ("without waiting".into(), no_wait),
+            ],
+        ),
+    )?;
+    let stale: Vec<&Run> = r
+        .runs
+        .iter()
+        .filter(|x| x.group == "main" && x.summary.staleness.total() > 0)
+        .collect();
+    if !stale.is_empty() {
+        let maxs = stale
+            .iter()
+            .filter_map(|x| x.summary.staleness.max())
+            .max()
+            .unwrap_or(0)
+            .min(12);
+        let cats: Vec<String> = (0..=maxs).map(|v| v.to_string()).collect();
+        let groups: Vec<(String, Vec<f64>)> = stale
+            .iter()
+            .map(|x| {
+                let h = &x.summary.staleness;
+                let n = h.total().max(1) as f64;
+                (
+                    short(&x.label),
+                    (0..=maxs).map(|v| h.count(v) as f64 / n).collect(),
+                )
+            })
+            .collect();
+        add(
+            "staleness",
+            "staleness of the contributions used (share per number of rounds behind)",
+            plot::bars(
+                &out.join("staleness"),
+                "staleness (rounds behind)",
+                "share of contributions",
+                &cats,
+                &groups,
+            ),
+        )?;
+    }
+    let ablation: Vec<&Run> = r
+        .runs
+        .iter()
+        .filter(|x| x.group != "main" || matches!(x.algo.algorithm, Algorithm::Wagma(_)))
+        .collect();
+    if ablation.len() > 1 {
+        add(
+            "ablations",
+            "WAGMA's ablations over training time",
+            plot::lines(
+                &out.join("ablations"),
+                "ablations",
+                "training seconds",
+                &r.metric,
+                &series(&ablation, |e| e.wall_s),
+                hline,
+            ),
+        )?;
+    }
+    Ok(made)
+}
+
+fn short(label: &str) -> String {
+    label.replace("eager-sgd ", "eager ").replace(" tau=10", "")
+}
+
+fn report(r: &Results, plots: &Result<Vec<(String, String)>, String>) -> String {
+    let a = &r.args;
+    let mut s = format!("# {} workload: WAGMA-SGD and its baselines\n\n", a.workload);
+    let _ = writeln!(s, "Produced by `{}`.\n", r.command);
+    let _ = writeln!(
+        s,
+        "Machine: {} cores ({}), {:.0} GiB; in-process transport (ranks are threads); seed {}; {} ranks; \
+         imbalance: {}.\n",
+        r.machine.cores,
+        r.machine.cpu,
+        r.machine.memory_gib,
+        a.seed,
+        a.ranks,
+        match a.imbalance {
+            Some(Profile::None) | None if a.workload != "image" =>
+                "natural (no injected delays)".to_string(),
+            p => format!("{} x {}", p.unwrap_or(Profile::PaperResnet), a.time_scale),
+        }
+    );
+    let _ = writeln!(
+        s,
+        "Scale: {} ranks share {} cores, so ranks are oversubscribed and the measured throughput includes \
+         that contention; injected delays are sleeps. Metrics are of the consensus model (the global average \
+         of the replicas).\n",
+        a.ranks, r.machine.cores
+    );
+    match r.target {
+        Some(t) => {
+            let _ = writeln!(
+                s,
+                "Target {}: {t:.4} ({}).\n",
+                r.metric,
+                if a.target.is_some() {
+                    "given"
+                } else {
+                    "98% of allreduce-sgd's final value"
+                }
+            );
+        }
+        None => s.push_str("No target (allreduce-sgd did not run and none was given).\n\n"),
+    }
+    s.push_str(&table(r));
+    s.push('\n');
+    match plots {
+        Ok(list) => {
+            for (file, caption) in list {
+                let _ = writeln!(s, "![{caption}]({file})\n\n*{caption}* (also as SVG).\n");
+            }
+        }
+        Err(why) => {
+            let _ = writeln!(s, "No plots: {why}.\n");
+        }
+    }
+    s
+}

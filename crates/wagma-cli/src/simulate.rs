@@ -1,0 +1,327 @@
+//! `wagma simulate`: the very engines and algorithms in virtual time, at up to thousands of
+//! ranks, over a LogGP network and the imbalance profiles (or recorded compute traces).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::{Args as ClapArgs, Subcommand};
+use comfy_table::Table;
+use serde::{Deserialize, Serialize};
+use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
+use wagma::imbalance::{Imbalance, Profile};
+use wagma_sim::compute::{Compute, Trace};
+use wagma_sim::{LogGp, SimResult, SimSpec, simulate};
+
+use crate::bench::TransportKind;
+use crate::plot::{self, Series};
+
+/// `wagma simulate ...`.
+#[derive(Subcommand)]
+pub enum Simulate {
+    /// Simulates one algorithm.
+    Run(RunArgs),
+    /// Throughput of every algorithm at several rank counts, with the ideal: JSON and a plot.
+    Scaling(ScalingArgs),
+    /// Measures the local transport and writes fitted network parameters.
+    Calibrate(crate::calibrate::Args),
+    /// Compares predictions with `wagma bench imbalance` on this machine, side by side.
+    Validate(crate::calibrate::ValidateArgs),
+}
+
+/// The network, the compute model and the model size shared by the subcommands.
+#[derive(ClapArgs, Debug, Clone, Serialize, Deserialize)]
+pub struct Common {
+    /// Model size in f32 parameters (sizes only: nothing is allocated).
+    #[arg(long, default_value_t = 25_600_000)]
+    pub model_params: usize,
+    /// Compute profile: none, paper-resnet, lengths, heavy-tail.
+    #[arg(long, default_value = "paper-resnet")]
+    pub profile: Profile,
+    /// Multiplies the profile's times (1 = the paper's).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Replay compute times recorded by `wagma train --trace-compute FILE` instead.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Iterations.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Samples per local step.
+    #[arg(long, default_value_t = 128)]
+    pub batch: usize,
+    /// WAGMA's tau.
+    #[arg(long, default_value_t = 10)]
+    pub tau: u64,
+    /// SGP's peers.
+    #[arg(long, default_value_t = 1)]
+    pub peers: usize,
+    /// Network parameters from `wagma simulate calibrate` (default: Cray XC50 Aries, see
+    /// `--help` of the report).
+    #[arg(long)]
+    pub network: Option<PathBuf>,
+    /// LogGP latency L, seconds (overrides the file).
+    #[arg(long)]
+    pub latency: Option<f64>,
+    /// LogGP bandwidth, bytes per second (overrides the file).
+    #[arg(long)]
+    pub bandwidth: Option<f64>,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// The paper's machine, Cray XC50 (Piz Daint) with the Aries interconnect: MPI latency about
+/// 1.3 us, injection bandwidth about 10 GB/s per node (9.7 GB/s measured point to point),
+/// a per-message software overhead of 0.5 us and a message gap of 0.1 us.
+pub fn aries() -> LogGp {
+    LogGp {
+        latency_s: 1.3e-6,
+        overhead_s: 0.5e-6,
+        gap_s: 0.1e-6,
+        per_byte_s: 1.0 / 9.7e9,
+        node_limit: true,
+    }
+}
+
+impl Common {
+    /// The network model.
+    pub fn network(&self) -> anyhow::Result<LogGp> {
+        let mut n = match &self.network {
+            Some(p) => {
+                serde_json::from_slice::<crate::calibrate::Calibration>(
+                    &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+                )
+                .with_context(|| format!("parsing {}", p.display()))?
+                .network
+            }
+            None => aries(),
+        };
+        if let Some(l) = self.latency {
+            n.latency_s = l;
+        }
+        if let Some(b) = self.bandwidth {
+            if !(b.is_finite() && b > 0.0) {
+                bail!("--bandwidth must be positive");
+            }
+            n.per_byte_s = 1.0 / b;
+        }
+        n.validate().map_err(anyhow::Error::msg)?;
+        Ok(n)
+    }
+
+    /// The compute model.
+    pub fn compute(&self) -> anyhow::Result<Compute> {
+        Ok(match &self.trace {
+            Some(p) => Compute::Trace(Trace::load(p)?),
+            None => {
+                let im = Imbalance {
+                    profile: self.profile,
+                    time_scale: self.time_scale,
+                    seed: self.seed,
+                };
+                im.validate()?;
+                Compute::Profile(im)
+            }
+        })
+    }
+
+    /// The algorithm called `name`, with these options.
+    pub fn algo(&self, name: &str, ranks: usize) -> anyhow::Result<AlgoConfig> {
+        let mut a = Algorithm::from_name(name)?;
+        match &mut a {
+            Algorithm::Wagma(o) => {
+                *o = WagmaOptions {
+                    tau: Some(self.tau),
+                    ..WagmaOptions::default()
+                }
+            }
+            Algorithm::Sgp { peers } => *peers = self.peers,
+            _ => {}
+        }
+        a.validate(ranks)?;
+        let mut c = AlgoConfig::new(a);
+        c.seed = self.seed;
+        Ok(c)
+    }
+
+    fn spec(&self, name: &str, ranks: usize) -> anyhow::Result<SimSpec> {
+        if self.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        Ok(SimSpec {
+            ranks,
+            algo: self.algo(name, ranks)?,
+            steps: self.steps,
+            model_params: self.model_params,
+            batch: self.batch,
+            compute: self.compute()?,
+            network: self.network()?,
+            seed: self.seed,
+        })
+    }
+}
+
+/// Options of `wagma simulate run`.
+#[derive(ClapArgs, Debug, Clone)]
+pub struct RunArgs {
+    /// Ranks.
+    #[arg(long, default_value_t = 64)]
+    pub ranks: usize,
+    /// Algorithm.
+    #[arg(long, default_value = "wagma")]
+    pub algo: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Options of `wagma simulate scaling`.
+#[derive(ClapArgs, Debug, Clone, Serialize, Deserialize)]
+pub struct ScalingArgs {
+    /// Algorithms, comma-separated, or `all`.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub algos: Vec<String>,
+    /// Rank counts.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024")]
+    pub ranks: Vec<usize>,
+    /// Output directory (JSON, plot).
+    #[arg(long, default_value = "runs/scaling")]
+    pub out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Runs `wagma simulate`.
+pub fn run(s: Simulate) -> anyhow::Result<()> {
+    match s {
+        Simulate::Run(a) => {
+            let r = simulate(&a.common.spec(&a.algo, a.ranks)?)?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print_results(&[r]);
+            }
+            Ok(())
+        }
+        Simulate::Scaling(a) => scaling(a),
+        Simulate::Calibrate(a) => crate::calibrate::calibrate(a),
+        Simulate::Validate(a) => crate::calibrate::validate(a),
+    }
+}
+
+fn print_results(rs: &[SimResult]) {
+    let mut t = Table::new();
+    t.set_header(vec![
+        "algorithm",
+        "ranks",
+        "samples/s",
+        "x ideal",
+        "bound samples/s",
+        "waiting",
+        "staleness mean/max",
+        "simulated in",
+    ]);
+    for r in rs {
+        let st = &r.stats.staleness;
+        t.add_row(vec![
+            r.algorithm.clone(),
+            r.ranks.to_string(),
+            format!("{:.1}", r.samples_per_s),
+            format!("{:.3}", r.samples_per_s / r.ideal_samples_per_s),
+            format!("{:.1}", r.bound_samples_per_s),
+            format!("{:.1}%", 100.0 * r.stats.wait_fraction()),
+            if st.total() == 0 {
+                "-".into()
+            } else {
+                format!("{:.2}/{}", st.mean(), st.max().unwrap_or(0))
+            },
+            format!("{:.1} s", r.simulation_s),
+        ]);
+    }
+    println!("{t}");
+}
+
+/// `scaling.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct ScalingResults {
+    args: ScalingArgs,
+    network: LogGp,
+    results: Vec<SimResult>,
+}
+
+fn scaling(a: ScalingArgs) -> anyhow::Result<()> {
+    let names: Vec<String> = if a.algos.iter().any(|x| x == "all") {
+        Algorithm::NAMES.iter().map(|s| s.to_string()).collect()
+    } else {
+        a.algos.clone()
+    };
+    if a.ranks.is_empty() || a.ranks.contains(&0) {
+        bail!("--ranks needs positive rank counts");
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut results = Vec::new();
+    for &p in &a.ranks {
+        for n in &names {
+            eprint!("{n} on {p} ranks ... ");
+            let r = simulate(&a.common.spec(n, p)?)?;
+            eprintln!(
+                "{:.1} samples/s (simulated in {:.1} s)",
+                r.samples_per_s, r.simulation_s
+            );
+            results.push(r);
+        }
+    }
+    print_results(&results);
+    let mut series: Vec<Series> = names
+        .iter()
+        .map(|n| Series {
+            name: n.clone(),
+            points: Vec::new(),
+        })
+        .collect();
+    let mut ideal = Series {
+        name: "ideal".into(),
+        points: Vec::new(),
+    };
+    for (i, r) in results.iter().enumerate() {
+        let x = r.ranks as f64;
+        series[i % names.len()]
+            .points
+            .push((x.log2(), r.samples_per_s));
+        if i % names.len() == 0 {
+            ideal.points.push((x.log2(), r.ideal_samples_per_s));
+        }
+    }
+    series.push(ideal);
+    let plotted = plot::lines(
+        &a.out.join("scaling"),
+        "simulated throughput",
+        "log2(ranks)",
+        "samples/s",
+        &series,
+        None,
+    );
+    if let Err(e) = &plotted {
+        eprintln!("no plot: {e}");
+    }
+    let out = ScalingResults {
+        network: a.common.network()?,
+        args: a.clone(),
+        results,
+    };
+    std::fs::write(a.out.join("scaling.json"), serde_json::to_vec_pretty(&out)?)?;
+    println!("results: {}", a.out.join("scaling.json").display());
+    Ok(())
+}
+
+impl TransportKind {
+    /// A name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Mem => "mem",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
