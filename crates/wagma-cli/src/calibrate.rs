@@ -9,7 +9,6 @@ use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
-use wagma::exec::threaded;
 use wagma::imbalance::Profile;
 use wagma::schedule::AllreduceAlgorithm;
 use wagma::topology::default_group_size;
@@ -112,16 +111,11 @@ pub fn calibrate(a: Args) -> anyhow::Result<()> {
     if a.sizes.is_empty() || a.reps == 0 {
         bail!("--sizes and --reps must not be empty");
     }
-    if bench::is_worker() {
-        return bench::tcp_worker(engine(), async |c: &mut Comm| measure(c, &a).await);
-    }
-    let ms: Vec<Measurement> = match a.transport {
-        TransportKind::Mem => {
-            threaded::run(a.ranks, engine(), async |c: &mut Comm| measure(c, &a).await)?
-                .into_all()?
-                .swap_remove(0)
-        }
-        TransportKind::Tcp => bench::run_tcp_workers(a.ranks)?,
+    let Some(ms) = bench::run_job(a.transport, a.ranks, engine(), async |c: &mut Comm| {
+        measure(c, &a).await
+    })?
+    else {
+        return Ok(());
     };
     let template = LogGp {
         latency_s: 0.0,

@@ -4,6 +4,7 @@ mod bench;
 mod calibrate;
 mod launch;
 mod local;
+mod mpirun;
 mod plot;
 mod simulate;
 mod train;

@@ -322,6 +322,7 @@ impl TransportKind {
         match self {
             TransportKind::Mem => "mem",
             TransportKind::Tcp => "tcp",
+            TransportKind::Mpi => "mpi",
         }
     }
 }

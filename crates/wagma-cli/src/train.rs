@@ -126,6 +126,13 @@ pub struct Args {
     /// Checkpoint every N iterations (at the algorithm's next clean point).
     #[arg(long)]
     pub checkpoint_every: Option<u64>,
+    /// Write a timeline per rank (Chrome trace JSON, for Perfetto): FILE gets `.rank-N`.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Record each rank's local compute time per step in this file (for `wagma simulate
+    /// --trace`).
+    #[arg(long)]
+    pub trace_compute: Option<PathBuf>,
     /// Resume from a checkpoint (directory, or output directory of an earlier run).
     #[arg(long)]
     pub resume: Option<PathBuf>,
@@ -271,6 +278,8 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     };
     c.catalogs = a.catalogs.clone();
     c.checkpoint_every = a.checkpoint_every;
+    c.trace_compute = a.trace_compute.clone();
+    c.trace = a.trace.clone();
     c.resume = a.resume.clone();
     if let Some(t) = a.timeout {
         c.timeout =

@@ -93,6 +93,13 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Checkpoint every this many iterations (rounded up to the algorithm's next clean point).
     pub checkpoint_every: Option<u64>,
+    /// Write a timeline per rank (Chrome trace format) to this path with `.rank-N` added.
+    #[serde(default)]
+    pub trace: Option<PathBuf>,
+    /// Record each rank's local compute time per step here (JSON lines: rank, step, seconds),
+    /// for `wagma simulate --trace`.
+    #[serde(default)]
+    pub trace_compute: Option<PathBuf>,
     /// Resume from this checkpoint (a checkpoint directory or one with a `LATEST` pointer).
     pub resume: Option<PathBuf>,
     /// Also evaluate rank 0's replica.
@@ -122,6 +129,8 @@ impl Default for TrainConfig {
             execution: Execution::Threads,
             out: PathBuf::from("runs/latest"),
             checkpoint_every: None,
+            trace_compute: None,
+            trace: None,
             resume: None,
             eval_replica: true,
             timeout: Duration::from_secs(120),

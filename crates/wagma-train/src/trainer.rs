@@ -35,7 +35,17 @@ pub struct EvalRecord {
     pub replica0: Option<BTreeMap<String, f64>>,
     /// Mean squared distance of the replicas to their average.
     pub consensus_distance: f64,
+    /// Share of the ranks' time spent waiting so far.
+    #[serde(default)]
+    pub wait_fraction: f64,
+    /// Staleness of the contributions used so far, all ranks (values above 15 are counted
+    /// at 15).
+    #[serde(default)]
+    pub staleness: Histogram,
 }
+
+/// Staleness buckets carried by an evaluation.
+const STALENESS_BUCKETS: usize = 16;
 
 /// `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -116,6 +126,34 @@ pub fn initial_model<W: Workload>(w: &W, seed: u64) -> Initial {
         buffers: fm.buffers(),
         layout: fm.layout().clone(),
     }
+}
+
+/// One line of a compute trace (`wagma train --trace-compute FILE`): the real seconds a rank's
+/// local step took (forward and backward), without injected delays or communication.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ComputeLine {
+    /// The rank.
+    pub rank: usize,
+    /// The iteration.
+    pub step: u64,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+/// Appends a rank's trace lines in one write (ranks of one job share the file).
+fn append_trace(path: &Path, lines: &[ComputeLine]) -> Result<(), TrainError> {
+    let mut text = String::new();
+    for l in lines {
+        text.push_str(&serde_json::to_string(l).map_err(|e| TrainError::Config(e.to_string()))?);
+        text.push('\n');
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| TrainError::io(path, e))?;
+    f.write_all(text.as_bytes())
+        .map_err(|e| TrainError::io(path, e))
 }
 
 /// The consensus model at the end of a run, in the output directory.
@@ -244,6 +282,10 @@ pub fn run<W: Workload>(
     };
     let engine = EngineConfig {
         timeout: cfg.timeout,
+        // Real processes can die or stall: watch the peers (not needed in virtual time).
+        heartbeat: (cfg.execution != Execution::Deterministic)
+            .then(|| (cfg.timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))),
+        trace: cfg.trace.is_some(),
         ..EngineConfig::default()
     };
     let tcp = if cfg.execution == Execution::Tcp {
@@ -254,6 +296,10 @@ pub fn run<W: Workload>(
     let is_rank0 = tcp.as_ref().is_none_or(|t| t.rank == 0);
     if is_rank0 {
         check_writable(&cfg.out)?;
+        if let Some(t) = &cfg.trace_compute {
+            // A fresh trace; every rank appends its lines at the end of the run.
+            std::fs::write(t, b"").map_err(|e| TrainError::io(t, e))?;
+        }
     }
     let shared = Shared {
         w,
@@ -372,6 +418,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let ckpt_every = cfg.checkpoint_every;
     let mut next_ckpt = ckpt_every.map(|k| start_iter + k);
     let mut steps_done = start_iter;
+    let mut trace: Vec<ComputeLine> = Vec::new();
     for t in start_iter..cfg.steps {
         if let Some(im) = &cfg.imbalance {
             let d = im.step_times(t, p).get(rank).copied().unwrap_or(0.0);
@@ -381,8 +428,23 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         if has_buffers {
             fm.set_buffers(worker.buffers());
         }
+        let local_t0 = std::time::Instant::now();
+        let step_start = worker.comm().now();
         let (loss, n) = w.loss(fm.model(), &mut local, t);
         let grads = fm.backward(loss);
+        if worker.comm().tracing() {
+            let end = worker.comm().now().max(step_start + local_t0.elapsed());
+            worker
+                .comm()
+                .trace_span("compute", format!("local step {t}"), step_start, end);
+        }
+        if cfg.trace_compute.is_some() {
+            trace.push(ComputeLine {
+                rank,
+                step: t,
+                seconds: local_t0.elapsed().as_secs_f64(),
+            });
+        }
         if has_buffers {
             let b = fm.buffers();
             worker.buffers_mut().copy_from_slice(&b);
@@ -421,11 +483,23 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
             last_ckpt = Some(write_checkpoint(&mut worker, s, &local, done, samples, now).await?);
-            excluded += (worker.comm().now() - e0).as_secs_f64();
+            let e1 = worker.comm().now();
+            worker
+                .comm()
+                .trace_span("checkpoint", format!("checkpoint at {done}"), e0, e1);
+            excluded += (e1 - e0).as_secs_f64();
             next_ckpt = ckpt_every.map(|k| done + k);
         }
     }
     let wall = clock(worker.comm(), excluded);
+    if let Some(path) = &cfg.trace_compute {
+        append_trace(path, &trace)?;
+    }
+    if let Some(path) = &cfg.trace {
+        let events = worker.comm().take_trace().await?;
+        let file = wagma::trace::rank_path(path, rank);
+        wagma::trace::write(&file, rank, events).map_err(|e| TrainError::io(&file, e))?;
+    }
     // Totals over ranks: waiting and staleness.
     let stats = worker.comm().stats().clone();
     const BUCKETS: usize = 65;
@@ -492,6 +566,13 @@ async fn evaluate<W: Workload>(
             .into_vec();
         stats.extend(eval_with(fm, s.w, &r0[..n], &r0[n..], rank, p));
     }
+    // Waiting and staleness so far, summed over ranks.
+    let m = stats.len();
+    let cs = worker.comm().stats().clone();
+    stats.push(cs.wait_s);
+    for v in 0..STALENESS_BUCKETS as u64 {
+        stats.push(cs.staleness.count(v) as f64);
+    }
     // Rank 0's training clock rides along: every rank learns whether the budget is spent.
     stats.push(if rank == 0 { wall_s } else { 0.0 });
     let f: Vec<f32> = stats.iter().map(|&x| x as f32).collect();
@@ -510,13 +591,19 @@ async fn evaluate<W: Workload>(
             .collect()
     };
     let clock0 = sums.last().copied().unwrap_or(0.0);
+    let mut staleness = Histogram::default();
+    for (v, &c) in sums[m + 1..m + 1 + STALENESS_BUCKETS].iter().enumerate() {
+        staleness.record_n(v as u64, c.round() as u64);
+    }
     let record = EvalRecord {
         iteration,
         wall_s,
         samples,
         consensus: named(&sums[..k]),
-        replica0: s.cfg.eval_replica.then(|| named(&sums[k..sums.len() - 1])),
+        replica0: s.cfg.eval_replica.then(|| named(&sums[k..m])),
         consensus_distance: distance,
+        wait_fraction: sums[m] / (wall_s.max(1e-9) * p as f64),
+        staleness,
     };
     Ok(Evaluation {
         record,

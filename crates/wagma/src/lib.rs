@@ -23,6 +23,7 @@ pub mod imbalance;
 pub mod payload;
 pub mod schedule;
 pub mod topology;
+pub mod trace;
 pub mod transport;
 pub mod util;
 

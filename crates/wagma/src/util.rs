@@ -22,6 +22,28 @@ pub mod serde_secs {
     }
 }
 
+/// Serializes an `Option<Duration>` as fractional seconds or null.
+pub mod serde_opt_secs {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes seconds as `f64`, or null.
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&d.as_secs_f64()),
+            None => s.serialize_none(),
+        }
+    }
+
+    /// Reads seconds from `f64`, or null.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Option::<f64>::deserialize(d)?
+            .map(|x| Duration::try_from_secs_f64(x).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
 /// A histogram of small non-negative integers (staleness in rounds).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -8,7 +8,6 @@ use clap::Args as ClapArgs;
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
 use wagma::engine::{ContributionMode, ReadMode, Trigger};
-use wagma::exec::threaded;
 use wagma::schedule::{self, AlgorithmChoice, AllreduceAlgorithm};
 use wagma::topology::{Grouping, GroupingKind, default_group_size, ring_neighbors};
 use wagma::{Comm, EngineConfig, Payload, StreamConfig};
@@ -126,21 +125,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .group_size
         .unwrap_or_else(|| default_group_size(args.ranks));
     Grouping::new(args.ranks, s, GroupingKind::Butterfly)?;
-    if super::is_worker() {
-        return tcp_worker(&args, s);
-    }
-    let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
-    let times = match args.transport {
-        TransportKind::Mem => {
-            let a = args.clone();
-            threaded::run(args.ranks, engine_config(), async move |c: &mut Comm| {
-                measure(c, &a, s).await
-            })?
-            .into_all()?
-            .swap_remove(0)
-        }
-        TransportKind::Tcp => super::run_tcp_workers(args.ranks)?,
+    let mpi = args.transport == TransportKind::Mpi;
+    let a = args.clone();
+    let Some(times) = super::run_job(
+        args.transport,
+        args.ranks,
+        engine_config(),
+        async move |c: &mut Comm| {
+            let mut times = measure(c, &a, s).await?;
+            if mpi {
+                times.extend(mpi_baselines(c.rank(), &a, s)?);
+            }
+            Ok(times)
+        },
+    )?
+    else {
+        return Ok(());
     };
+    let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
     let report = build_report(&args, s, memcpy, times);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -255,7 +257,13 @@ fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
         .map(|g| g.group_of(0, 0))
         .unwrap_or_else(|| vec![0]);
     let everyone: Vec<usize> = (0..p).collect();
-    let rows = CASES
+    let baselines: Vec<(String, usize, f64)> = times
+        .iter()
+        .skip(CASES.len())
+        .zip([("world", p), ("group communicator", group.len())])
+        .map(|(&t, (name, members))| (name.to_string(), members, t))
+        .collect();
+    let mut rows: Vec<Row> = CASES
         .iter()
         .zip(times)
         .map(|(case, t)| {
@@ -288,6 +296,19 @@ fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
             }
         })
         .collect();
+    for (name, members, t) in baselines {
+        let gb = bytes as f64 / t / 1e9;
+        rows.push(Row {
+            collective: "MPI_Allreduce".into(),
+            algorithm: name,
+            members,
+            median_s: t,
+            gb_per_s: gb,
+            vs_memcpy: gb / memcpy,
+            messages_per_rank: 0,
+            bytes_per_rank: 0,
+        });
+    }
     Report {
         args: args.clone(),
         group_size: s,
@@ -332,8 +353,22 @@ fn print_table(r: &Report) {
     println!("{t}");
 }
 
-fn tcp_worker(args: &Args, s: usize) -> anyhow::Result<()> {
-    super::tcp_worker(engine_config(), async |c: &mut Comm| {
-        measure(c, args, s).await
+/// `MPI_Allreduce` on the world communicator and on a communicator of the group's size, run
+/// after our collectives in the same job.
+#[cfg(feature = "mpi")]
+fn mpi_baselines(rank: usize, args: &Args, s: usize) -> Result<Vec<f64>, wagma::Error> {
+    crate::mpirun::mpi_allreduce_times(args.elements, args.reps, args.warmup, s, rank).map_err(
+        |e| wagma::Error::Task {
+            rank,
+            message: format!("{e:#}"),
+        },
+    )
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_baselines(rank: usize, _args: &Args, _s: usize) -> Result<Vec<f64>, wagma::Error> {
+    Err(wagma::Error::Task {
+        rank,
+        message: "this wagma was built without MPI support".into(),
     })
 }

@@ -12,7 +12,6 @@ use comfy_table::Table;
 use serde::{Deserialize, Serialize};
 use wagma::algo::measure::{self, JobStats, Spec};
 use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions, bound_wall, ideal_wall};
-use wagma::exec::threaded;
 use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::default_group_size;
 use wagma::{Comm, EngineConfig};
@@ -156,6 +155,9 @@ fn engine_config() -> EngineConfig {
 async fn run_all(c: &mut Comm, specs: &[Spec]) -> Result<Vec<JobStats>, wagma::Error> {
     let mut out = Vec::with_capacity(specs.len());
     for s in specs {
+        if c.rank() == 0 {
+            eprintln!("running {} ...", s.algo.algorithm.label());
+        }
         out.push(measure::run(c, s).await?);
     }
     Ok(out)
@@ -170,27 +172,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--steps must be at least 1");
     }
     let specs = specs(&args)?;
-    if super::is_worker() {
-        return super::tcp_worker(engine_config(), async |c: &mut Comm| {
-            run_all(c, &specs).await
-        });
-    }
-    let stats: Vec<JobStats> = match args.transport {
-        TransportKind::Mem => {
-            let mut all = Vec::new();
-            for s in &specs {
-                eprintln!("running {} ...", s.algo.algorithm.label());
-                let spec = s.clone();
-                let st = threaded::run(args.ranks, engine_config(), async move |c: &mut Comm| {
-                    measure::run(c, &spec).await
-                })?
-                .into_all()?
-                .swap_remove(0);
-                all.push(st);
-            }
-            all
-        }
-        TransportKind::Tcp => super::run_tcp_workers(args.ranks)?,
+    let Some(stats) = super::run_job(
+        args.transport,
+        args.ranks,
+        engine_config(),
+        async |c: &mut Comm| run_all(c, &specs).await,
+    )?
+    else {
+        return Ok(());
     };
     let report = build(&args, &specs, stats);
     if args.json {

@@ -19,7 +19,7 @@ use crate::local::LocalJob;
 /// Set in the processes a TCP benchmark starts.
 const WORKER: &str = "WAGMA_BENCH_WORKER";
 /// Prefix of the result line rank 0 of a TCP benchmark prints.
-const RESULT: &str = "WAGMA-BENCH-RESULT ";
+pub const RESULT: &str = "WAGMA-BENCH-RESULT ";
 
 /// Where the ranks of a benchmark run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -29,6 +29,9 @@ pub enum TransportKind {
     Mem,
     /// Processes on loopback, started by this command.
     Tcp,
+    /// MPI processes (started with mpirun by this command unless already under MPI; needs a
+    /// wagma built with `--features mpi`).
+    Mpi,
 }
 
 /// Benchmarks.
@@ -55,12 +58,84 @@ pub fn run(b: Bench) -> anyhow::Result<()> {
 }
 
 /// True in a process started by [`run_tcp_workers`].
-pub fn is_worker() -> bool {
+fn is_tcp_worker() -> bool {
     std::env::var_os(WORKER).is_some()
 }
 
+/// Runs `task` on `ranks` ranks over `transport` and returns rank 0's result.
+///
+/// Over TCP and MPI this command re-runs itself as the ranks (local processes, or `mpirun`);
+/// in such a rank process, and in every process of a job the user started with `mpirun` or
+/// `srun`, it runs one rank and returns `None`: rank 0 prints the result for the parent.
+pub fn run_job<T, F>(
+    transport: TransportKind,
+    ranks: usize,
+    cfg: EngineConfig,
+    task: F,
+) -> anyhow::Result<Option<T>>
+where
+    T: Serialize + DeserializeOwned + Send,
+    F: AsyncFn(&mut Comm) -> Result<T, wagma::Error> + Sync,
+{
+    match transport {
+        TransportKind::Mem => Ok(Some(
+            threaded::run(ranks, cfg, task)?.into_all()?.swap_remove(0),
+        )),
+        TransportKind::Tcp if is_tcp_worker() => {
+            let tcp = TcpConfig::from_env()?;
+            let (c, engine) = threaded::connect_tcp(&tcp, cfg)?;
+            run_rank(c, engine, ranks, task)?;
+            Ok(None)
+        }
+        TransportKind::Tcp => Ok(Some(run_tcp_workers(ranks)?)),
+        TransportKind::Mpi if crate::mpirun::under_mpi() => {
+            let (c, engine) = connect_mpi(cfg)?;
+            run_rank(c, engine, ranks, task)?;
+            Ok(None)
+        }
+        TransportKind::Mpi => Ok(Some(crate::mpirun::run_and_collect(ranks)?)),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn connect_mpi(cfg: EngineConfig) -> anyhow::Result<(Comm, std::thread::JoinHandle<()>)> {
+    Ok(threaded::connect_mpi(
+        cfg,
+        wagma::transport::DEFAULT_MAX_FRAME,
+    )?)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn connect_mpi(_cfg: EngineConfig) -> anyhow::Result<(Comm, std::thread::JoinHandle<()>)> {
+    anyhow::bail!("this wagma was built without MPI support (build it with --features mpi)")
+}
+
+/// One rank of a multi-process job: runs `task`, and rank 0 prints the result.
+fn run_rank<T: Serialize>(
+    mut c: Comm,
+    engine: std::thread::JoinHandle<()>,
+    ranks: usize,
+    task: impl AsyncFnOnce(&mut Comm) -> Result<T, wagma::Error>,
+) -> anyhow::Result<()> {
+    if c.size() != ranks {
+        anyhow::bail!(
+            "the job has {} ranks but --ranks says {ranks}; pass --ranks {}",
+            c.size(),
+            c.size()
+        );
+    }
+    let rank = c.rank();
+    let out = block_on(task(&mut c))?;
+    block_on(c.finish())?;
+    let _ = engine.join();
+    if rank == 0 {
+        println!("{RESULT}{}", serde_json::to_string(&out)?);
+    }
+    Ok(())
+}
+
 /// Runs this very command as `ranks` local processes over TCP and returns what rank 0 reports.
-pub fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
+fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
     let exe = std::env::current_exe().context("locating the wagma binary")?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut job = LocalJob::spawn(ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
@@ -81,23 +156,6 @@ pub fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
         .flatten()
         .context("rank 0 printed no result")?;
     Ok(serde_json::from_str(&line)?)
-}
-
-/// In a process started by [`run_tcp_workers`]: joins the job, runs `f`, and rank 0 prints
-/// the result for the parent.
-pub fn tcp_worker<T: Serialize>(
-    cfg: EngineConfig,
-    f: impl AsyncFnOnce(&mut Comm) -> Result<T, wagma::Error>,
-) -> anyhow::Result<()> {
-    let tcp = TcpConfig::from_env()?;
-    let (mut c, engine) = threaded::connect_tcp(&tcp, cfg)?;
-    let out = block_on(f(&mut c))?;
-    block_on(c.finish())?;
-    let _ = engine.join();
-    if tcp.rank == 0 {
-        println!("{RESULT}{}", serde_json::to_string(&out)?);
-    }
-    Ok(())
 }
 
 /// Median of `xs` (sorted in place).

@@ -542,7 +542,15 @@ impl<'c> Worker<'c> {
     fn fold_round(&mut self, r: &RoundResult, combine: CombineRule, p: usize) {
         let scope = self.cfg.scope;
         match r.kind {
-            RoundKind::Sync => self.state.mix(scope, &r.sum, 1.0 / p as f32, false),
+            RoundKind::Sync => {
+                // Every rank, or in elastic mode every rank still alive.
+                let n = if r.members.is_empty() {
+                    p
+                } else {
+                    r.members.len()
+                };
+                self.state.mix(scope, &r.sum, 1.0 / n as f32, false)
+            }
             RoundKind::Group => {
                 let k = r.members.len();
                 if r.fresh && combine == CombineRule::Paper {
@@ -576,7 +584,6 @@ impl<'c> Worker<'c> {
 
     /// Averages the gradient (and, in scope, the buffers) over all ranks.
     async fn allreduce_gradient(&mut self, grad: Payload) -> Result<Payload, Error> {
-        let p = self.comm.size();
         let n = grad.len();
         let with_buffers = self.cfg.scope.average_buffers && !self.state.buffers.is_empty();
         let v = match (with_buffers, grad) {
@@ -587,8 +594,7 @@ impl<'c> Worker<'c> {
             (true, Payload::Size(k)) => Payload::Size(k + self.state.buffers.len()),
             (_, g) => g,
         };
-        let mut sum = self.comm.allreduce(v).await?;
-        sum.scale(1.0 / p as f32);
+        let sum = self.comm.allreduce_mean(v).await?;
         if with_buffers && !sum.is_virtual() {
             let nb = self.state.buffers.len();
             self.state
@@ -609,10 +615,9 @@ impl<'c> Worker<'c> {
     async fn global_average(&mut self) -> Result<(), Error> {
         let scope = self.cfg.scope;
         let own = self.state.pack(scope);
-        let sum = self.comm.allreduce(own).await?;
-        self.state
-            .mix(scope, &sum, 1.0 / self.comm.size() as f32, false);
-        sum.recycle();
+        let mean = self.comm.allreduce_mean(own).await?;
+        self.state.mix(scope, &mean, 1.0, false);
+        mean.recycle();
         Ok(())
     }
 
@@ -624,8 +629,7 @@ impl<'c> Worker<'c> {
             average_optimizer_state: false,
         };
         let own = self.state.pack(scope);
-        let mut sum = self.comm.allreduce(own).await?;
-        sum.scale(1.0 / self.comm.size() as f32);
+        let sum = self.comm.allreduce_mean(own).await?;
         let n = self.state.params.len();
         if sum.is_virtual() {
             return Ok((Payload::Size(n), Payload::Size(self.state.buffers.len())));
@@ -644,7 +648,10 @@ impl<'c> Worker<'c> {
             .zip(avg.as_slice())
             .map(|(&a, &b)| f64::from(a - b).powi(2))
             .sum();
-        let all = self.comm.allreduce(Payload::Data(vec![d as f32])).await?;
-        Ok(all.as_slice().first().map_or(0.0, |&x| f64::from(x)) / self.comm.size() as f64)
+        let mean = self
+            .comm
+            .allreduce_mean(Payload::Data(vec![d as f32]))
+            .await?;
+        Ok(mean.as_slice().first().map_or(0.0, |&x| f64::from(x)))
     }
 }

@@ -9,6 +9,7 @@
 //! of the published model, results kept until read, global sync rounds, timeouts.
 
 mod buffer;
+mod liveness;
 mod passive;
 mod run;
 mod stream;
@@ -21,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Op};
 use crate::payload::Payload;
 use crate::schedule::{AlgorithmChoice, Schedule};
+use crate::trace::{ENGINE, TraceEvent, Tracer};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
 const CONTROL_BYE: u16 = 0;
@@ -49,6 +51,18 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// Allreduce algorithm selection.
     pub algorithm: AlgorithmChoice,
+    /// Send heartbeats this often to the peers this rank depends on, declare a peer dead after
+    /// `timeout` of silence, and report stalls at this interval (`None`: off, as in
+    /// simulations).
+    #[serde(default, with = "crate::util::serde_opt_secs")]
+    pub heartbeat: Option<Duration>,
+    /// Record a timeline ([`crate::trace`]).
+    #[serde(default)]
+    pub trace: bool,
+    /// Elastic continuation: a lost peer is declared dead and the job goes on without it
+    /// (collectives become full exchanges among the living; see the crate documentation).
+    #[serde(default)]
+    pub elastic: bool,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +70,9 @@ impl Default for EngineConfig {
         EngineConfig {
             timeout: Duration::from_secs(60),
             algorithm: AlgorithmChoice::default(),
+            heartbeat: None,
+            trace: false,
+            elastic: false,
         }
     }
 }
@@ -104,6 +121,8 @@ pub enum Request {
     },
     /// Read the engine's counters.
     Stats,
+    /// Take the engine's timeline events.
+    TakeTrace,
 }
 
 /// The engine's answer to a request.
@@ -126,6 +145,8 @@ pub enum Response {
     Delta(Payload),
     /// Counters.
     Stats(EngineStats),
+    /// Timeline events.
+    Trace(Vec<TraceEvent>),
 }
 
 /// What the engine wants done.
@@ -183,8 +204,16 @@ pub struct Engine {
     early_pairs: Vec<Envelope>,
     outstanding: BTreeMap<ReqId, Op>,
     departed: Vec<bool>,
+    /// Peers declared dead (elastic mode).
+    dead: Vec<bool>,
     failed: Option<Error>,
     stats: EngineStats,
+    liveness: Option<liveness::Liveness>,
+    /// The largest number of local steps this rank's requests said they embody.
+    iteration: u64,
+    tracer: Tracer,
+    /// Time of the event being handled (for timeline entries made deep inside).
+    now_hint: Time,
 }
 
 impl Engine {
@@ -204,8 +233,15 @@ impl Engine {
             early_pairs: Vec::new(),
             outstanding: BTreeMap::new(),
             departed: vec![false; ranks],
+            dead: vec![false; ranks],
             failed: None,
             stats: EngineStats::default(),
+            liveness: cfg
+                .heartbeat
+                .map(|i| liveness::Liveness::new(rank, ranks, i)),
+            iteration: 0,
+            tracer: Tracer::new(rank, cfg.trace),
+            now_hint: Duration::ZERO,
         }
     }
 
@@ -221,6 +257,7 @@ impl Engine {
 
     /// Handles a request of the compute side.
     pub fn on_request(&mut self, now: Time, id: ReqId, req: Request, out: &mut Vec<Action>) {
+        self.now_hint = now;
         if let Some(err) = &self.failed {
             out.push(Action::Complete {
                 id,
@@ -231,6 +268,7 @@ impl Engine {
         let result = match req {
             Request::OpenStream(cfg) => self.open_stream(now, *cfg, out).map(|()| Response::Done),
             Request::Arrive { round, data, steps } => {
+                self.iteration = self.iteration.max(steps);
                 self.outstanding.insert(id, Op::Round(round));
                 if let Err(e) = self.arrive(now, id, round, data, steps, out) {
                     self.outstanding.remove(&id);
@@ -248,6 +286,7 @@ impl Engine {
                 weight,
                 steps,
             } => {
+                self.iteration = self.iteration.max(steps);
                 let op = Op::Collective {
                     kind: kind.name(),
                     seq,
@@ -299,6 +338,7 @@ impl Engine {
                 }),
             },
             Request::Stats => Ok(Response::Stats(self.stats.clone())),
+            Request::TakeTrace => Ok(Response::Trace(self.tracer.take())),
         };
         out.push(Action::Complete { id, result });
         // Opening the stream may start rounds activated before it was open.
@@ -307,11 +347,15 @@ impl Engine {
 
     /// Handles a message from a peer.
     pub fn on_message(&mut self, now: Time, env: Envelope, out: &mut Vec<Action>) {
+        self.now_hint = now;
         if self.failed.is_some() {
             return;
         }
         self.stats.messages_received += 1;
         self.stats.bytes_received += env.data.bytes() as u64;
+        let beat = (env.tag.kind == Kind::Control && env.tag.step == liveness::CONTROL_HEARTBEAT)
+            .then_some(env.meta.aux);
+        self.heard_from(now, env.from, beat);
         match env.tag.kind {
             Kind::Control => self.on_control(&env, out),
             Kind::Activation => self.on_activation(now, &env, out),
@@ -333,8 +377,12 @@ impl Engine {
     }
 
     /// Handles the loss of a peer (broken connection, declared dead).
-    pub fn on_peer_lost(&mut self, _now: Time, peer: Rank, reason: &str, out: &mut Vec<Action>) {
+    pub fn on_peer_lost(&mut self, now: Time, peer: Rank, reason: &str, out: &mut Vec<Action>) {
         if self.failed.is_some() {
+            return;
+        }
+        if self.cfg.elastic {
+            self.declare_dead(now, peer, reason, out);
             return;
         }
         // A peer that said goodbye may close its connections; only an operation that still
@@ -399,6 +447,10 @@ impl Engine {
                     *d = true;
                 }
             }
+            CONTROL_ABORT if self.cfg.elastic => {
+                let now = self.now_hint;
+                self.declare_dead(now, env.from, "it failed and left the job", out);
+            }
             CONTROL_ABORT => {
                 let op = self
                     .outstanding
@@ -420,9 +472,42 @@ impl Engine {
         }
     }
 
+    /// Elastic mode: continues without `peer` from now on.
+    pub(super) fn declare_dead(
+        &mut self,
+        now: Time,
+        peer: Rank,
+        reason: &str,
+        out: &mut Vec<Action>,
+    ) {
+        if peer >= self.ranks || peer == self.rank || self.dead[peer] {
+            return;
+        }
+        self.dead[peer] = true;
+        tracing::warn!(
+            rank = self.rank,
+            peer,
+            reason,
+            "declared rank {peer} dead; continuing without it"
+        );
+        for r in &mut self.running {
+            r.mark_absent(peer);
+        }
+        self.settle(now, out);
+    }
+
+    /// Peers declared dead (elastic mode).
+    pub fn dead(&self) -> Vec<Rank> {
+        (0..self.ranks).filter(|&p| self.dead[p]).collect()
+    }
+
     /// Checks deadlines.
     pub fn on_tick(&mut self, now: Time, out: &mut Vec<Action>) {
+        self.now_hint = now;
         if self.failed.is_some() {
+            return;
+        }
+        if self.liveness_tick(now, out) {
             return;
         }
         let timeout = self.cfg.timeout;
@@ -460,7 +545,17 @@ impl Engine {
             .as_ref()
             .and_then(|s| s.waiting_since())
             .map(|t| t + self.cfg.timeout);
-        runs.chain(wait).min()
+        let beat = self.liveness.as_ref().map(|l| l.next_deadline());
+        runs.chain(wait).chain(beat).min()
+    }
+
+    /// The operation to blame in an error that is not tied to one schedule.
+    fn current_op(&self) -> Op {
+        self.running
+            .first()
+            .map(|r| r.op.clone())
+            .or_else(|| self.outstanding.values().next().cloned())
+            .unwrap_or(Op::Other("idle"))
     }
 
     /// Describes what this engine is waiting for (for deadlock reports).
@@ -499,6 +594,9 @@ impl Engine {
     }
 
     fn send(&mut self, to: Rank, env: Envelope, out: &mut Vec<Action>) {
+        if self.dead.get(to).copied().unwrap_or(false) {
+            return;
+        }
         self.stats.messages_sent += 1;
         self.stats.bytes_sent += env.data.bytes() as u64;
         out.push(Action::Send { to, env });
@@ -557,6 +655,7 @@ impl Engine {
             weight,
             contributions,
             now,
+            self.cfg.elastic,
         ));
     }
 
@@ -574,7 +673,8 @@ impl Engine {
                 let step = {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
-                    self.running[i].advance(rank, unexpected, &mut sends)
+                    let dead = &self.dead;
+                    self.running[i].advance(rank, unexpected, &mut sends, dead)
                 };
                 for (to, env) in sends {
                     self.send(to, env, out);
@@ -614,6 +714,18 @@ impl Engine {
     }
 
     fn finish(&mut self, now: Time, done: Running, out: &mut Vec<Action>) {
+        if self.tracer.enabled() {
+            let cat = match done.kind {
+                Kind::Round => "round",
+                Kind::Sync => "sync",
+                Kind::Exchange => "exchange",
+                Kind::Pair => "pair",
+                _ => "collective",
+            };
+            let args = serde_json::json!({ "peers": done.peers() });
+            self.tracer
+                .span(ENGINE, cat, done.op.to_string(), done.started, now, args);
+        }
         let (owner, data, weight, contributions) = done.into_result();
         match owner {
             Owner::Request(id) => self.complete(

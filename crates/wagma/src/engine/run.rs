@@ -40,10 +40,14 @@ pub(super) struct Running {
     contributions: Vec<Contribution>,
     track: bool,
     got: Vec<Option<Envelope>>,
+    /// Receive slots of the current phase whose peer is dead (elastic mode): satisfied empty.
+    absent: Vec<bool>,
     /// Receives of the current phase still missing.
     waiting: usize,
     /// `(peer, step)` to receive slot, for phases with many receives.
     index: HashMap<(Rank, u16), usize>,
+    /// Stall reports made so far.
+    pub stall_reports: u32,
 }
 
 impl Running {
@@ -58,6 +62,7 @@ impl Running {
         weight: f64,
         contributions: Vec<Contribution>,
         started: Time,
+        track_all: bool,
     ) -> Running {
         Running {
             owner,
@@ -71,19 +76,48 @@ impl Running {
             buf: WorkBuf::new(buf),
             weight,
             contributions,
-            track: kind == Kind::Round,
+            track: kind == Kind::Round || track_all,
             got: Vec::new(),
+            absent: Vec::new(),
             waiting: 0,
             index: HashMap::new(),
+            stall_reports: 0,
         }
+    }
+
+    /// Every peer of the schedule.
+    pub fn peers(&self) -> Vec<Rank> {
+        self.schedule.peers()
+    }
+
+    /// The operation and its peers, for reports.
+    pub fn describe(&self) -> String {
+        format!("{} (with ranks {:?})", self.op, self.peers())
     }
 
     /// Stores a received message in slot `i`.
     fn fill(&mut self, i: usize, env: Envelope) {
-        if self.got[i].is_none() {
+        if self.got[i].is_none() && !self.absent[i] {
             self.waiting -= 1;
         }
         self.got[i] = Some(env);
+    }
+
+    /// Gives up on `peer` (declared dead): its missing receives of the current phase are
+    /// satisfied with nothing.
+    pub fn mark_absent(&mut self, peer: Rank) {
+        if !self.posted {
+            return;
+        }
+        let Some(phase) = self.schedule.phases.get(self.phase) else {
+            return;
+        };
+        for (i, r) in phase.recvs.iter().enumerate() {
+            if r.peer == peer && self.got[i].is_none() && !self.absent[i] {
+                self.absent[i] = true;
+                self.waiting -= 1;
+            }
+        }
     }
 
     /// Takes `env` if the current phase waits for it; hands it back otherwise.
@@ -102,7 +136,7 @@ impl Running {
             self.index
                 .get(&(env.from, env.tag.step))
                 .copied()
-                .filter(|&i| self.got[i].is_none())
+                .filter(|&i| self.got[i].is_none() && !self.absent[i])
         };
         match slot {
             None => Ok(Some(env)),
@@ -145,6 +179,7 @@ impl Running {
         rank: Rank,
         unexpected: &mut HashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
+        dead: &[bool],
     ) -> Result<bool, Error> {
         loop {
             let Some(phase) = self.schedule.phases.get(self.phase) else {
@@ -174,7 +209,12 @@ impl Running {
                     sends.push((s.peer, env));
                 }
                 self.got = phase.recvs.iter().map(|_| None).collect();
-                self.waiting = phase.recvs.len();
+                self.absent = phase
+                    .recvs
+                    .iter()
+                    .map(|r| dead.get(r.peer).copied().unwrap_or(false))
+                    .collect();
+                self.waiting = self.absent.iter().filter(|&&a| !a).count();
                 self.index.clear();
                 if phase.recvs.len() > 8 {
                     self.index = phase
@@ -201,7 +241,8 @@ impl Running {
                         }
                         if let Some(env) = env {
                             self.validate(rank, &env, r.range.len())?;
-                            if self.got[i].is_none() {
+                            // Field by field: `phase` borrows the schedule.
+                            if self.got[i].is_none() && !self.absent[i] {
                                 self.waiting -= 1;
                             }
                             self.got[i] = Some(env);
@@ -214,7 +255,12 @@ impl Running {
             }
             let combine = phase.combine;
             let ranges: Vec<_> = phase.recvs.iter().map(|r| r.range.clone()).collect();
-            let got: Vec<Envelope> = self.got.drain(..).flatten().collect();
+            // Absent slots (dead peers) contribute nothing.
+            let (ranges, got): (Vec<_>, Vec<_>) = ranges
+                .into_iter()
+                .zip(self.got.drain(..))
+                .filter_map(|(r, g)| g.map(|e| (r, e)))
+                .unzip();
             match combine {
                 Combine::Sum => self.sum(rank, ranges, got),
                 Combine::Copy => self.copy(ranges, got),
@@ -273,7 +319,9 @@ impl Running {
             .recvs
             .iter()
             .zip(&self.got)
-            .filter(|(_, g)| g.is_none())
+            .zip(&self.absent)
+            .filter(|((_, g), a)| g.is_none() && !**a)
+            .map(|(x, _)| x)
             .map(|(r, _)| r.peer)
             .collect();
         v.dedup();

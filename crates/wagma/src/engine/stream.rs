@@ -400,6 +400,18 @@ impl Engine {
 
     fn send_activation(&mut self, seq: u64, root: Rank, to: Rank, dim: u32, out: &mut Vec<Action>) {
         self.stats.activations_sent += 1;
+        if self.tracer.enabled() {
+            let (_, round) = split_seq(seq);
+            let args = serde_json::json!({ "round": round, "to": to, "root": root });
+            let now = self.now_hint;
+            self.tracer.instant(
+                crate::trace::ENGINE,
+                "activation",
+                "activation sent",
+                now,
+                args,
+            );
+        }
         let env = Envelope {
             from: self.rank,
             tag: Tag {
@@ -419,6 +431,16 @@ impl Engine {
     pub(super) fn on_activation(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
         let root = env.meta.aux as Rank;
         let (epoch, round) = split_seq(env.tag.seq);
+        if self.tracer.enabled() {
+            let args = serde_json::json!({ "round": round, "from": env.from, "root": root });
+            self.tracer.instant(
+                crate::trace::ENGINE,
+                "activation",
+                "activation received",
+                now,
+                args,
+            );
+        }
         if root >= self.ranks {
             let err = Error::Protocol {
                 rank: self.rank,
@@ -504,7 +526,18 @@ impl Engine {
         } else {
             self.stats.syncs += 1;
         }
-        let schedule = allreduce(rank, &members, len, &algorithm);
+        let schedule = if self.cfg.elastic {
+            // Full exchange among the living members: tolerates members dying mid-round.
+            let others: Vec<Rank> = members
+                .iter()
+                .copied()
+                .filter(|&m| m != rank && !self.dead[m])
+                .collect();
+            crate::schedule::exchange(&others, &others, len)
+        } else {
+            allreduce(rank, &members, len, &algorithm)
+        };
+        self.watch(now, &members);
         let epoch = self.epoch();
         self.start(
             now,
@@ -533,6 +566,9 @@ impl Engine {
             return;
         }
         let ranks = self.ranks;
+        let elastic = self.cfg.elastic;
+        // In elastic mode only the living contributed to a sync.
+        let contributors = if elastic { members.len().max(1) } else { ranks };
         let Some(s) = self.stream.as_mut() else {
             return;
         };
@@ -543,7 +579,7 @@ impl Engine {
                 // A passive contribution to the next rounds should be the consensus, not the
                 // model every rank has just averaged away.
                 let mut avg = sum.duplicate();
-                avg.scale(1.0 / ranks as f32);
+                avg.scale(1.0 / contributors as f32);
                 std::mem::replace(&mut s.published, avg).recycle();
                 s.published_steps = round + 1;
             }
@@ -552,8 +588,8 @@ impl Engine {
             RoundKind::Group
         };
         // A sync only runs once every rank has arrived: every member is fresh, and its
-        // messages carry no member lists.
-        let members = if kind == RoundKind::Sync {
+        // messages carry no member lists (except in elastic mode, where who is left counts).
+        let members = if kind == RoundKind::Sync && !elastic {
             (0..ranks)
                 .map(|rank| Contribution {
                     rank,

@@ -11,6 +11,7 @@ use crate::engine::{EngineConfig, EngineStats, Request, Response, RoundResult, S
 use crate::error::{Error, Op};
 use crate::payload::Payload;
 use crate::schedule::{self, AlgorithmChoice, Schedule};
+use crate::trace::{COMPUTE, TraceEvent, Tracer};
 use crate::transport::{Contribution, Kind};
 use crate::util::Histogram;
 
@@ -49,6 +50,7 @@ pub struct Comm {
     collective_seq: u64,
     stats: CommStats,
     left: bool,
+    tracer: Tracer,
 }
 
 impl Comm {
@@ -61,6 +63,7 @@ impl Comm {
             collective_seq: 0,
             stats: CommStats::default(),
             left: false,
+            tracer: Tracer::new(rank, cfg.trace),
         }
     }
 
@@ -93,16 +96,65 @@ impl Comm {
     /// deterministic one.
     pub async fn compute(&mut self, d: Duration) {
         self.stats.compute_s += d.as_secs_f64();
+        let t0 = self.port.now();
         // A sleep cannot fail: its slot completes with `Done`.
         let _ = self.port.sleep(d).await;
+        let t1 = self.port.now();
+        self.tracer.span(
+            COMPUTE,
+            "compute",
+            "emulated compute",
+            t0,
+            t1,
+            serde_json::Value::Null,
+        );
     }
 
     async fn call(&mut self, req: Request) -> Result<Response, Error> {
+        let name = if self.tracer.enabled() {
+            match &req {
+                Request::Arrive { round, .. } => format!("wait: round {round}"),
+                Request::Run { kind, seq, .. } => format!("wait: {} #{seq}", kind.name()),
+                other => format!("wait: {other:?}").chars().take(40).collect(),
+            }
+        } else {
+            String::new()
+        };
         let t0 = self.port.now();
         let pending: Pending = self.port.submit(req);
         let r = pending.await;
-        self.stats.wait_s += self.port.now().saturating_sub(t0).as_secs_f64();
+        let t1 = self.port.now();
+        self.stats.wait_s += t1.saturating_sub(t0).as_secs_f64();
+        self.tracer
+            .span(COMPUTE, "wait", name, t0, t1, serde_json::Value::Null);
         r
+    }
+
+    /// Adds a span of the compute side to the timeline (a local step, a checkpoint).
+    pub fn trace_span(
+        &mut self,
+        cat: &'static str,
+        name: impl Into<String>,
+        start: Duration,
+        end: Duration,
+    ) {
+        self.tracer
+            .span(COMPUTE, cat, name, start, end, serde_json::Value::Null);
+    }
+
+    /// True when this rank records a timeline.
+    pub fn tracing(&self) -> bool {
+        self.tracer.enabled()
+    }
+
+    /// The timeline recorded so far (engine and compute side), taken out.
+    pub async fn take_trace(&mut self) -> Result<Vec<TraceEvent>, Error> {
+        let mut events = self.tracer.take();
+        match self.port.submit(Request::TakeTrace).await? {
+            Response::Trace(e) => events.extend(e),
+            _ => return Err(self.unexpected("take trace")),
+        }
+        Ok(events)
     }
 
     fn unexpected(&self, what: &'static str) -> Error {
@@ -189,9 +241,36 @@ impl Comm {
                 detail: format!("rank is not a member of {members:?}"),
             });
         }
-        let schedule = schedule::allreduce(self.rank, members, data.len(), choice);
+        let schedule = if self.cfg.elastic {
+            // A full exchange tolerates members that die (elastic mode).
+            let others: Vec<Rank> = members
+                .iter()
+                .copied()
+                .filter(|&m| m != self.rank)
+                .collect();
+            schedule::exchange(&others, &others, data.len())
+        } else {
+            schedule::allreduce(self.rank, members, data.len(), choice)
+        };
         self.run(Kind::Collective, seq, schedule, data, 0.0, steps)
             .await
+    }
+
+    /// The mean over all ranks (in elastic mode, over the ranks still alive). Every rank must
+    /// call it the same number of times.
+    pub async fn allreduce_mean(&mut self, data: Payload) -> Result<Payload, Error> {
+        let members: Vec<Rank> = (0..self.size).collect();
+        let seq = self.collective_seq;
+        self.collective_seq += 1;
+        let e = self.allreduce_in(&members, seq, data, 0).await?;
+        let n = if self.cfg.elastic {
+            e.contributions.len().max(1)
+        } else {
+            self.size
+        };
+        let mut mean = e.data;
+        mean.scale(1.0 / n as f32);
+        Ok(mean)
     }
 
     /// Waits until every rank has called `barrier` as often.

@@ -60,7 +60,7 @@ pub fn spawn(
     rank: Rank,
     ranks: usize,
     cfg: EngineConfig,
-    transport: Box<dyn Transport>,
+    transport: Box<dyn Transport + Send>,
     inbox: Receiver<Incoming>,
     start: Instant,
 ) -> Result<(Comm, JoinHandle<()>), Error> {
@@ -68,7 +68,7 @@ pub fn spawn(
     let engine = Engine::new(rank, ranks, cfg);
     let handle = std::thread::Builder::new()
         .name(format!("wagma-engine-{rank}"))
-        .spawn(move || engine_loop(engine, transport, rx, inbox, start))
+        .spawn(move || engine_loop(engine, transport as Box<dyn Transport>, rx, inbox, start))
         .map_err(|e| Error::Transport {
             rank,
             source: TransportError::io("starting the engine thread", &e),
@@ -185,11 +185,29 @@ where
     F: AsyncFn(&mut Comm) -> Result<R, Error> + Sync,
     R: Send,
 {
+    let net = mem::network(ranks)
+        .into_iter()
+        .map(|(t, rx)| (Box::new(t) as Box<dyn Transport + Send>, rx))
+        .collect();
+    run_on(net, cfg, task)
+}
+
+/// Like [`run`], over the given transports (one per rank, with its inbox): for example the
+/// in-process network wrapped in [`crate::transport::faulty::FaultyTransport`].
+pub fn run_on<R, F>(
+    net: Vec<(Box<dyn Transport + Send>, Receiver<Incoming>)>,
+    cfg: EngineConfig,
+    task: F,
+) -> Result<JobResult<R>, ConfigError>
+where
+    F: AsyncFn(&mut Comm) -> Result<R, Error> + Sync,
+    R: Send,
+{
+    let ranks = net.len();
     if ranks == 0 {
         return Err(ConfigError::ZeroRanks);
     }
     let start = Instant::now();
-    let net = mem::network(ranks);
     let task = &task;
     let outcomes: Vec<(Result<R, Error>, Duration)> = std::thread::scope(|s| {
         let handles: Vec<_> = net
@@ -200,7 +218,7 @@ where
                     .name(format!("wagma-rank-{rank}"))
                     .spawn_scoped(s, move || {
                         let (mut comm, engine) =
-                            match spawn(rank, ranks, cfg, Box::new(transport), inbox, start) {
+                            match spawn(rank, ranks, cfg, transport, inbox, start) {
                                 Ok(x) => x,
                                 Err(e) => return (Err(e), start.elapsed()),
                             };
@@ -271,4 +289,47 @@ pub fn connect_tcp(
         source,
     })?;
     spawn(tcp.rank, tcp.world, cfg, Box::new(transport), rx, start)
+}
+
+/// Joins the MPI job this process was started in (`mpirun`, `srun`) and starts this rank's
+/// engine thread, which initializes MPI and owns it until the `Comm` finishes.
+#[cfg(feature = "mpi")]
+pub fn connect_mpi(cfg: EngineConfig, max_frame: u64) -> Result<(Comm, JoinHandle<()>), Error> {
+    let start = Instant::now();
+    let (tx, rx) = unbounded();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name("wagma-engine-mpi".into())
+        .spawn(move || {
+            let (inbox_tx, inbox_rx) = unbounded();
+            match crate::transport::mpi::MpiTransport::init(inbox_tx, max_frame) {
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+                Ok(t) => {
+                    let (rank, size) = (t.rank(), t.size());
+                    let _ = ready_tx.send(Ok((rank, size)));
+                    engine_loop(
+                        Engine::new(rank, size, cfg),
+                        Box::new(t),
+                        rx,
+                        inbox_rx,
+                        start,
+                    );
+                }
+            }
+        })
+        .map_err(|e| Error::Transport {
+            rank: 0,
+            source: TransportError::io("starting the engine thread", &e),
+        })?;
+    let (rank, size) = ready_rx
+        .recv()
+        .map_err(|_| Error::Transport {
+            rank: 0,
+            source: TransportError::Rendezvous("the MPI engine thread died during start-up".into()),
+        })?
+        .map_err(|source| Error::Transport { rank: 0, source })?;
+    let port = ThreadedPort { tx, start, rank };
+    Ok((Comm::new(rank, size, cfg, Arc::new(port)), handle))
 }

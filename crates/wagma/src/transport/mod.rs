@@ -5,9 +5,13 @@
 //! into the rank's inbox as [`Incoming`] items. Implementations: [`mem`] (threads of one
 //! process, messages moved without copying) and [`tcp`] (processes on one or many hosts).
 
+pub mod discover;
+pub mod faulty;
 pub mod frame;
 pub mod mem;
 mod message;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod tcp;
 
 use std::time::Duration;
@@ -16,6 +20,9 @@ use crate::Rank;
 use crate::error::TransportError;
 
 pub use message::{Contribution, Envelope, Kind, Meta, Tag};
+
+/// The default largest frame a transport accepts (2 GiB: a 512 Mi-parameter model).
+pub const DEFAULT_MAX_FRAME: u64 = 1 << 31;
 
 /// A broken connection or a peer that went away.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,8 +36,9 @@ pub struct Lost {
 /// What a transport delivers to a rank's inbox.
 pub type Incoming = Result<Envelope, Lost>;
 
-/// Sends tagged messages to the other ranks of a job.
-pub trait Transport: Send {
+/// Sends tagged messages to the other ranks of a job. A transport lives on its rank's engine
+/// thread (the MPI one cannot leave it).
+pub trait Transport {
     /// Sends `env` to rank `to`. An error means the peer is unreachable.
     fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError>;
 

@@ -78,35 +78,32 @@ impl TcpConfig {
             credentials,
             connect_timeout: Duration::from_secs(60),
             io_timeout: Duration::from_secs(60),
-            max_frame_bytes: 1 << 31,
+            max_frame_bytes: super::DEFAULT_MAX_FRAME,
         }
     }
 
-    /// Reads `WAGMA_RANK`, `WAGMA_WORLD_SIZE`, `WAGMA_RENDEZVOUS`, `WAGMA_JOB_ID`,
-    /// `WAGMA_SECRET` and `WAGMA_BIND`.
+    /// Reads the rank, world size and rendezvous from the launcher's environment (see
+    /// [`super::discover`]: wagma, Open MPI, PMI, SLURM or torchrun variables), and
+    /// `WAGMA_JOB_ID`, `WAGMA_SECRET` and `WAGMA_BIND`.
     pub fn from_env() -> Result<TcpConfig, ConfigError> {
-        let get = |k: &'static str| std::env::var(k).ok();
-        let num = |k: &'static str| -> Result<usize, ConfigError> {
-            let v = get(k).ok_or_else(|| ConfigError::Invalid {
-                what: k,
-                detail: "not set".into(),
-            })?;
-            v.trim().parse().map_err(|_| ConfigError::Invalid {
-                what: k,
-                detail: format!("{v:?} is not a number"),
-            })
-        };
-        let rank = num(env::RANK)?;
-        let world = num(env::WORLD_SIZE)?;
-        let rendezvous = get(env::RENDEZVOUS).ok_or(ConfigError::Invalid {
+        let get = |k: &str| std::env::var(k).ok();
+        let d = super::discover::discover(&get)?.ok_or(ConfigError::Invalid {
+            what: "launcher environment",
+            detail: "no rank found: start under `wagma launch`, mpirun, srun or torchrun, or set WAGMA_RANK and WAGMA_WORLD_SIZE".into(),
+        })?;
+        let rendezvous = d.rendezvous.ok_or(ConfigError::Invalid {
             what: env::RENDEZVOUS,
-            detail: "not set".into(),
+            detail: format!(
+                "not set, and {} gives no address for rank 0 (set {} or MASTER_ADDR)",
+                d.source,
+                env::RENDEZVOUS
+            ),
         })?;
         let credentials = Credentials {
             job_id: get(env::JOB_ID).unwrap_or_else(|| "wagma".into()),
             secret: get(env::SECRET).unwrap_or_default().into_bytes(),
         };
-        let mut cfg = TcpConfig::new(rank, world, rendezvous, credentials);
+        let mut cfg = TcpConfig::new(d.rank, d.world, rendezvous, credentials);
         if let Some(b) = get(env::BIND) {
             cfg.bind = Some(b.parse().map_err(|_| ConfigError::Invalid {
                 what: env::BIND,
@@ -156,6 +153,24 @@ impl Transport for TcpTransport {
                 message: other.to_string(),
             },
         })
+    }
+}
+
+impl TcpTransport {
+    /// Writes raw bytes on the connection to `peer`, bypassing the framing: fault injection
+    /// (a corrupted stream must end in a named error at the peer, never in a hang or a panic).
+    pub fn inject_raw(&mut self, peer: Rank, bytes: &[u8]) -> Result<(), TransportError> {
+        let w = self
+            .writers
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| TransportError::Peer {
+                peer,
+                message: "no connection".into(),
+            })?;
+        w.write_all(bytes)
+            .and_then(|()| w.flush())
+            .map_err(|e| TransportError::io("injecting bytes", &e))
     }
 }
 

@@ -1,0 +1,201 @@
+//! Liveness: heartbeats to the peers a rank depends on (its activation-tree neighbours on every
+//! hypercube dimension, its ring neighbours and the members of its recent groups), declaring a
+//! peer dead when it has been silent longer than the timeout, and stall reports while an
+//! operation waits.
+
+use std::time::Duration;
+
+use super::{Action, Engine, Time};
+use crate::Rank;
+use crate::error::Error;
+use crate::payload::Payload;
+use crate::transport::{Envelope, Kind, Meta, Tag};
+
+/// Step of a heartbeat control message (its `aux` carries the sender's iteration).
+pub(super) const CONTROL_HEARTBEAT: u16 = 2;
+
+pub(super) struct Liveness {
+    interval: Duration,
+    watched: Vec<bool>,
+    last_heard: Vec<Option<Time>>,
+    iteration: Vec<Option<u64>>,
+    next_beat: Time,
+}
+
+impl Liveness {
+    pub fn new(rank: Rank, ranks: usize, interval: Duration) -> Liveness {
+        let mut watched = vec![false; ranks];
+        let mut j = 0;
+        while j < usize::BITS && (1usize << j) < ranks {
+            let d = 1usize << j;
+            if ranks.is_power_of_two() {
+                watched[rank ^ d] = true;
+            } else {
+                watched[(rank + d) % ranks] = true;
+                watched[(rank + ranks - d) % ranks] = true;
+            }
+            j += 1;
+        }
+        if ranks > 1 {
+            watched[(rank + 1) % ranks] = true;
+            watched[(rank + ranks - 1) % ranks] = true;
+        }
+        if let Some(w) = watched.get_mut(rank) {
+            *w = false;
+        }
+        Liveness {
+            interval,
+            watched,
+            last_heard: vec![None; ranks],
+            iteration: vec![None; ranks],
+            next_beat: Duration::ZERO,
+        }
+    }
+
+    /// The last iteration `peer` reported, if any.
+    pub fn iteration_of(&self, peer: Rank) -> Option<u64> {
+        self.iteration.get(peer).copied().flatten()
+    }
+
+    pub fn next_deadline(&self) -> Time {
+        self.next_beat
+    }
+}
+
+impl Engine {
+    /// Notes that `peer` is alive (any message counts).
+    pub(super) fn heard_from(&mut self, now: Time, peer: Rank, iteration: Option<u64>) {
+        if let Some(l) = self.liveness.as_mut() {
+            if let Some(t) = l.last_heard.get_mut(peer) {
+                *t = Some(now);
+            }
+            if let (Some(i), Some(slot)) = (iteration, l.iteration.get_mut(peer)) {
+                *slot = Some(i);
+            }
+        }
+    }
+
+    /// Starts watching `members` (the ranks of a group this rank is in).
+    pub(super) fn watch(&mut self, now: Time, members: &[Rank]) {
+        let rank = self.rank;
+        if let Some(l) = self.liveness.as_mut() {
+            for &m in members {
+                if m != rank && !l.watched[m] {
+                    l.watched[m] = true;
+                    l.last_heard[m].get_or_insert(now);
+                }
+            }
+        }
+    }
+
+    /// Sends heartbeats when due, declares silent peers dead, reports stalls. True when the
+    /// engine failed.
+    pub(super) fn liveness_tick(&mut self, now: Time, out: &mut Vec<Action>) -> bool {
+        let Some(l) = self.liveness.as_mut() else {
+            return false;
+        };
+        let timeout = self.cfg.timeout;
+        // A silent watched peer is dead.
+        let silent = (0..l.watched.len()).find(|&p| {
+            l.watched[p]
+                && !self.departed[p]
+                && !self.dead[p]
+                && l.last_heard[p].is_some_and(|t| now.saturating_sub(t) > timeout)
+        });
+        if let Some(p) = silent {
+            let since = l.last_heard[p]
+                .map(|t| now.saturating_sub(t))
+                .unwrap_or_default();
+            let it = l
+                .iteration_of(p)
+                .map_or("unknown".to_string(), |i| i.to_string());
+            if self.cfg.elastic {
+                // Stop watching it and go on.
+                l.watched[p] = false;
+                let reason = format!(
+                    "silent for {:.1} s; its last reported iteration was {it}",
+                    since.as_secs_f64()
+                );
+                self.declare_dead(now, p, &reason, out);
+                return self.failed.is_some();
+            }
+            let op = self.current_op();
+            let err = Error::PeerLost {
+                rank: self.rank,
+                peer: p,
+                op,
+                reason: format!(
+                    "silent for {:.1} s; its last reported iteration was {it}",
+                    since.as_secs_f64()
+                ),
+            };
+            self.fail(err, out);
+            return true;
+        }
+        for (p, w) in l.watched.iter().enumerate() {
+            if *w && l.last_heard[p].is_none() {
+                l.last_heard[p] = Some(now);
+            }
+        }
+        if now >= l.next_beat {
+            l.next_beat = now + l.interval;
+            let targets: Vec<Rank> = (0..l.watched.len())
+                .filter(|&p| l.watched[p] && !self.departed[p])
+                .collect();
+            let iteration = self.iteration;
+            for to in targets {
+                let env = Envelope {
+                    from: self.rank,
+                    tag: Tag {
+                        kind: Kind::Control,
+                        seq: 0,
+                        step: CONTROL_HEARTBEAT,
+                    },
+                    meta: Meta {
+                        aux: iteration,
+                        ..Meta::default()
+                    },
+                    data: Payload::Size(0),
+                };
+                self.send(to, env, out);
+            }
+        }
+        self.report_stalls(now);
+        false
+    }
+
+    /// Warns, while it lasts, about every operation that has waited a multiple of the heartbeat
+    /// interval: which peer it waits for and how far that peer is.
+    fn report_stalls(&mut self, now: Time) {
+        let Some(l) = self.liveness.as_ref() else {
+            return;
+        };
+        let every = l.interval.max(Duration::from_secs(1));
+        for r in &mut self.running {
+            let waited = now.saturating_sub(r.started);
+            let due = (waited.as_secs_f64() / every.as_secs_f64()) as u32;
+            if due > r.stall_reports && due >= 1 {
+                r.stall_reports = due;
+                let missing = r.missing();
+                let details: Vec<String> = missing
+                    .iter()
+                    .map(|&p| match l.iteration_of(p) {
+                        Some(i) => format!("rank {p}, whose last reported iteration is {i}"),
+                        None => format!("rank {p}"),
+                    })
+                    .collect();
+                tracing::warn!(
+                    rank = self.rank,
+                    "{} has waited {:.1} s on {}",
+                    r.describe(),
+                    waited.as_secs_f64(),
+                    if details.is_empty() {
+                        "its own compute side".to_string()
+                    } else {
+                        details.join(", ")
+                    }
+                );
+            }
+        }
+    }
+}

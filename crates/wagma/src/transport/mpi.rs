@@ -1,0 +1,223 @@
+//! The MPI transport (feature `mpi`): nonblocking point-to-point over rsmpi, driven by the
+//! engine thread (Debian's Open MPI makes no progress on its own, so the engine polls).
+//!
+//! A message is two MPI messages with the same tag: a small header (the frame of
+//! [`super::frame`] with the payload's length) and, unless the payload is virtual, the `f32`
+//! payload itself, sent from and received into the engine's buffers without a copy. MPI's
+//! non-overtaking rule keeps the two in order. Groups are peer lists over the world
+//! communicator: no communicator is ever created per group.
+
+use crossbeam_channel::Sender;
+use mpi::Threading;
+use mpi::datatype::Equivalence;
+use mpi::environment::Universe;
+use mpi::point_to_point::{Destination, MatchedReceiveVec, Source, Status};
+use mpi::request::{Request, StaticScope};
+use mpi::topology::{Communicator, SimpleCommunicator};
+
+use super::frame::{read_frame, write_frame};
+use super::{Envelope, Incoming, Transport};
+use crate::Rank;
+use crate::error::TransportError;
+use crate::payload::{Payload, pool};
+
+/// The tag of every wagma message (the real tag travels in the header).
+const TAG: mpi::Tag = 0x3a;
+const FOLLOWS: u8 = 1;
+
+/// A send in flight with the buffer it reads from.
+enum InFlight {
+    Header(Request<'static, [u8]>, Vec<u8>),
+    Data(Request<'static, [f32]>, Payload),
+}
+
+/// One rank's MPI endpoint; lives and dies on the engine thread.
+pub struct MpiTransport {
+    world: SimpleCommunicator,
+    rank: Rank,
+    size: usize,
+    inbox: Sender<Incoming>,
+    in_flight: Vec<InFlight>,
+    max_frame: u64,
+    // Dropped last: finalizes MPI once every request has completed.
+    _universe: Universe,
+}
+
+/// Extends a borrow to `'static` for a request whose buffer is kept alive next to it.
+///
+/// # Safety
+/// The referenced memory must outlive the request: the caller stores the owner (a `Vec` or a
+/// `Payload`, whose heap data does not move when the owner moves) in the same [`InFlight`]
+/// entry and drops it only after the request completed.
+unsafe fn forever<T: ?Sized>(r: &T) -> &'static T {
+    // SAFETY: guaranteed by the caller, see above.
+    unsafe { &*(r as *const T) }
+}
+
+impl MpiTransport {
+    /// Initializes MPI (thread level multiple, so that other threads may call MPI too) and
+    /// joins the world. Must run on the engine thread, which then owns MPI.
+    pub fn init(inbox: Sender<Incoming>, max_frame: u64) -> Result<MpiTransport, TransportError> {
+        let (universe, level) =
+            mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
+                TransportError::Rendezvous("MPI is already initialized in this process".into())
+            })?;
+        if level < Threading::Funneled {
+            return Err(TransportError::Rendezvous(format!(
+                "MPI gives thread level {level:?}; wagma needs at least funneled"
+            )));
+        }
+        let world = universe.world();
+        let rank = usize::try_from(world.rank())
+            .map_err(|_| TransportError::Rendezvous("negative MPI rank".into()))?;
+        let size = usize::try_from(world.size())
+            .map_err(|_| TransportError::Rendezvous("negative MPI size".into()))?;
+        Ok(MpiTransport {
+            world,
+            rank,
+            size,
+            inbox,
+            in_flight: Vec::new(),
+            max_frame,
+            _universe: universe,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn complete_sends(&mut self) {
+        let pending = std::mem::take(&mut self.in_flight);
+        for f in pending {
+            match f {
+                InFlight::Header(r, b) => match r.test() {
+                    Ok(_) => drop(b),
+                    Err(r) => self.in_flight.push(InFlight::Header(r, b)),
+                },
+                InFlight::Data(r, p) => match r.test() {
+                    Ok(_) => p.recycle(),
+                    Err(r) => self.in_flight.push(InFlight::Data(r, p)),
+                },
+            }
+        }
+    }
+
+    fn receive(&mut self, bytes: Vec<u8>, status: Status) -> Result<Envelope, TransportError> {
+        let from = usize::try_from(status.source_rank()).unwrap_or(usize::MAX);
+        let (flag, frame) = bytes
+            .split_first()
+            .ok_or_else(|| TransportError::Malformed("empty MPI header".into()))?;
+        let mut env = read_frame(&mut &frame[..], self.max_frame)?
+            .ok_or_else(|| TransportError::Malformed("empty MPI header".into()))?;
+        if env.from != from {
+            return Err(TransportError::Peer {
+                peer: from,
+                message: format!("header claims to come from rank {}", env.from),
+            });
+        }
+        if *flag == FOLLOWS {
+            let n = env.data.len();
+            if (n as u64).saturating_mul(4) > self.max_frame {
+                return Err(TransportError::FrameTooLarge {
+                    size: n as u64 * 4,
+                    max: self.max_frame,
+                });
+            }
+            let (msg, st) = self
+                .world
+                .process_at_rank(status.source_rank())
+                .matched_probe_with_tag(TAG);
+            if st.count(f32::equivalent_datatype()) as usize != n {
+                return Err(TransportError::Malformed(format!(
+                    "payload of rank {from} does not match its header"
+                )));
+            }
+            let mut v = pool::take(n);
+            v.resize(n, 0.0);
+            msg.matched_receive_into(&mut v[..]);
+            env.data = Payload::Data(v);
+        }
+        Ok(env)
+    }
+}
+
+impl Transport for MpiTransport {
+    fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError> {
+        if to >= self.size {
+            return Err(TransportError::Peer {
+                peer: to,
+                message: format!("no such rank (job has {})", self.size),
+            });
+        }
+        let dest = self.world.process_at_rank(to as i32);
+        let real = !env.data.is_virtual();
+        let Envelope {
+            from,
+            tag,
+            meta,
+            data,
+        } = env;
+        let header_env = Envelope {
+            from,
+            tag,
+            meta,
+            data: Payload::Size(data.len()),
+        };
+        let mut header = vec![u8::from(real)];
+        write_frame(&mut header, &header_env, self.max_frame)?;
+        // SAFETY: `header` is stored with its request and dropped after completion.
+        let hreq = dest.immediate_send_with_tag(StaticScope, unsafe { forever(&header[..]) }, TAG);
+        self.in_flight.push(InFlight::Header(hreq, header));
+        if real {
+            // SAFETY: `data` (which owns or shares the values) is stored with its request and
+            // released after completion.
+            let dreq =
+                dest.immediate_send_with_tag(StaticScope, unsafe { forever(data.as_slice()) }, TAG);
+            self.in_flight.push(InFlight::Data(dreq, data));
+        }
+        self.complete_sends();
+        Ok(())
+    }
+
+    fn poll(&mut self) -> Result<(), TransportError> {
+        while let Some((msg, status)) = self
+            .world
+            .any_process()
+            .immediate_matched_probe_with_tag(TAG)
+        {
+            let (bytes, status) = (msg, status).matched_receive_vec::<u8>();
+            let env = self.receive(bytes, status)?;
+            if self.inbox.send(Ok(env)).is_err() {
+                break;
+            }
+        }
+        self.complete_sends();
+        Ok(())
+    }
+
+    fn poll_interval(&self) -> Option<std::time::Duration> {
+        Some(std::time::Duration::from_micros(50))
+    }
+}
+
+impl Drop for MpiTransport {
+    fn drop(&mut self) {
+        // Requests must complete before their buffers go; a peer that died never completes
+        // them, so after a grace period they are leaked rather than waited for forever.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !self.in_flight.is_empty() && std::time::Instant::now() < deadline {
+            self.complete_sends();
+            std::thread::yield_now();
+        }
+        for f in self.in_flight.drain(..) {
+            std::mem::forget(f);
+        }
+    }
+}

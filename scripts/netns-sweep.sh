@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Multi-host runs on one machine: N network namespaces ("hosts") joined by veth pairs to a
+# bridge, each host's link shaped with tc (netem rate and delay when the kernel has netem, a
+# token bucket for the rate alone otherwise), and `wagma bench imbalance` over TCP across them,
+# for every combination of the rates and delays given. Prints one JSON line per combination:
+# {"rate", "delay", "shaping", "rows": [per algorithm: samples/s, waiting, ...]}.
+#
+# Needs root and iproute2. The namespaces, veths and bridge are removed on exit, also on
+# failure or interruption.
+#
+# Environment (defaults in brackets): WAGMA [target/release/wagma], HOSTS [4],
+# RATES ["1gbit 10gbit"], DELAYS ["0.1ms 5ms"], STEPS [20], MODEL [262144],
+# PROFILE [paper-resnet], TIME_SCALE [0.05], ALGOS [all].
+set -euo pipefail
+
+WAGMA=${WAGMA:-target/release/wagma}
+HOSTS=${HOSTS:-4}
+RATES=${RATES:-"1gbit 10gbit"}
+DELAYS=${DELAYS:-"0.1ms 5ms"}
+STEPS=${STEPS:-20}
+MODEL=${MODEL:-262144}
+PROFILE=${PROFILE:-paper-resnet}
+TIME_SCALE=${TIME_SCALE:-0.05}
+ALGOS=${ALGOS:-}
+
+WAGMA=$(realpath "$WAGMA")
+TAG="wg$$"
+NET="10.$(( ($$ % 200) + 20 )).$(( ($$ / 200) % 250 ))"
+BRIDGE="${TAG}b"
+
+cleanup() {
+  set +e
+  for pid in $(jobs -p); do kill "$pid" 2>/dev/null; done
+  for i in $(seq 0 $((HOSTS - 1))); do
+    ip netns del "${TAG}n$i" 2>/dev/null
+    ip link del "${TAG}h$i" 2>/dev/null
+  done
+  ip link del "$BRIDGE" 2>/dev/null
+}
+trap cleanup EXIT INT TERM
+
+ip link add "$BRIDGE" type bridge
+ip link set "$BRIDGE" up
+for i in $(seq 0 $((HOSTS - 1))); do
+  ns="${TAG}n$i"
+  ip netns add "$ns"
+  ip link add "${TAG}h$i" type veth peer name "${TAG}c$i"
+  ip link set "${TAG}c$i" netns "$ns"
+  ip link set "${TAG}h$i" master "$BRIDGE"
+  ip link set "${TAG}h$i" up
+  ip -n "$ns" addr add "$NET.$((i + 1))/24" dev "${TAG}c$i"
+  ip -n "$ns" link set "${TAG}c$i" up
+  ip -n "$ns" link set lo up
+done
+
+shape() { # rate delay -> prints the shaping actually applied
+  local rate=$1 delay=$2 how=""
+  for i in $(seq 0 $((HOSTS - 1))); do
+    if ip netns exec "${TAG}n$i" tc qdisc replace dev "${TAG}c$i" root netem rate "$rate" delay "$delay" 2>/dev/null; then
+      how="netem rate $rate delay $delay"
+    else
+      ip netns exec "${TAG}n$i" tc qdisc replace dev "${TAG}c$i" root tbf rate "$rate" burst 512kb latency 200ms
+      how="tbf rate $rate (this kernel has no netem: no added delay)"
+    fi
+  done
+  echo "$how"
+}
+
+run() { # -> rank 0's result JSON
+  local port=$(( 20000 + ($$ % 20000) + RANDOM % 1000 ))
+  local out
+  out=$(mktemp -d)
+  local args=(bench imbalance --transport tcp --ranks "$HOSTS" --steps "$STEPS" --model-params "$MODEL" --profile "$PROFILE" --time-scale "$TIME_SCALE")
+  if [ -n "$ALGOS" ]; then args+=(--algos "$ALGOS"); fi
+  for i in $(seq 0 $((HOSTS - 1))); do
+    ip netns exec "${TAG}n$i" env WAGMA_BENCH_WORKER=1 WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
+      WAGMA_RENDEZVOUS="$NET.1:$port" WAGMA_BIND="$NET.$((i + 1))" WAGMA_JOB_ID="$TAG" WAGMA_SECRET="$TAG-secret" \
+      "$WAGMA" "${args[@]}" > "$out/rank-$i.out" 2> "$out/rank-$i.err" &
+  done
+  local failed=0
+  for pid in $(jobs -p); do wait "$pid" || failed=1; done
+  if [ "$failed" != 0 ]; then
+    echo "a rank failed:" >&2
+    cat "$out"/rank-*.err >&2
+    rm -rf "$out"
+    return 1
+  fi
+  sed -n 's/^WAGMA-BENCH-RESULT //p' "$out/rank-0.out"
+  rm -rf "$out"
+}
+
+for rate in $RATES; do
+  for delay in $DELAYS; do
+    how=$(shape "$rate" "$delay")
+    rows=$(run)
+    printf '{"rate":"%s","delay":"%s","shaping":"%s","rows":%s}\n' "$rate" "$delay" "$how" "$rows"
+  done
+done
