@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 
-use crate::local::LocalJob;
+use crate::local::{LocalJob, first_failure, summary};
 
 /// Options of `wagma launch`.
 #[derive(ClapArgs, Debug)]
@@ -20,6 +20,10 @@ pub struct Args {
     /// Kill the job after this many seconds.
     #[arg(long)]
     pub timeout: Option<f64>,
+    /// Elastic job: the failure of a rank other than 0 is reported but does not fail the job
+    /// (use with `wagma train --elastic`); the exit status is rank 0's.
+    #[arg(long)]
+    pub elastic: bool,
     /// The command each rank runs (`wagma` means this very binary).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     pub command: Vec<String>,
@@ -46,6 +50,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(t) => Some(Duration::try_from_secs_f64(t).context("invalid --timeout")?),
         None => None,
     };
-    job.wait_or_stop(limit, &stop)?;
-    Ok(())
+    let exits = job.wait_or_stop(limit, &stop)?;
+    let Some(first) = first_failure(&exits) else {
+        return Ok(());
+    };
+    let rank0_ok = exits.first().is_some_and(|e| e.status.success());
+    if a.elastic && rank0_ok {
+        eprintln!(
+            "wagma launch: the job went on without its failed ranks\n{}",
+            summary(&exits)
+        );
+        return Ok(());
+    }
+    bail!("{}\n{}", first.headline(), summary(&exits))
 }

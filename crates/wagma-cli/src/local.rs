@@ -81,35 +81,45 @@ impl LocalJob {
 
     /// Waits for every process (killing all after `limit`); fails naming the first rank that
     /// exited unsuccessfully.
-    pub fn wait(self, limit: Option<Duration>) -> anyhow::Result<Vec<ExitStatus>> {
-        self.wait_or_stop(limit, &AtomicBool::new(false))
+    pub fn wait(self, limit: Option<Duration>) -> anyhow::Result<Vec<RankExit>> {
+        let exits = self.wait_or_stop(limit, &AtomicBool::new(false))?;
+        if let Some(f) = first_failure(&exits) {
+            bail!("{}\n{}", f.headline(), summary(&exits));
+        }
+        Ok(exits)
     }
 
-    /// Like [`LocalJob::wait`]; when `stop` becomes true (a signal), the processes get SIGTERM
-    /// and, if they are still alive 10 seconds later, SIGKILL.
+    /// Waits for every process (killing all after `limit`) and reports how each ended; when
+    /// `stop` becomes true (a signal), the processes get SIGTERM and, if they are still alive
+    /// 10 seconds later, SIGKILL.
     pub fn wait_or_stop(
         mut self,
         limit: Option<Duration>,
         stop: &AtomicBool,
-    ) -> anyhow::Result<Vec<ExitStatus>> {
+    ) -> anyhow::Result<Vec<RankExit>> {
         let start = Instant::now();
         let mut stopping: Option<Instant> = None;
         let n = self.children.len();
-        let mut status: Vec<Option<(ExitStatus, Duration)>> = vec![None; n];
+        let mut status: Vec<Option<RankExit>> = vec![None; n];
         while status.iter().any(Option::is_none) {
-            for (i, c) in self.children.iter_mut().enumerate() {
-                if status[i].is_none()
+            for (rank, c) in self.children.iter_mut().enumerate() {
+                if status[rank].is_none()
                     && let Some(s) = c.try_wait()?
                 {
-                    status[i] = Some((s, start.elapsed()));
+                    status[rank] = Some(RankExit {
+                        rank,
+                        status: s,
+                        after: start.elapsed(),
+                    });
                 }
             }
             if limit.is_some_and(|l| start.elapsed() > l) {
                 for c in &mut self.children {
                     let _ = c.kill();
                 }
+                let alive: Vec<usize> = (0..n).filter(|&r| status[r].is_none()).collect();
                 bail!(
-                    "the job did not finish within {:?}",
+                    "the job did not finish within {:?}; ranks {alive:?} were still running",
                     limit.unwrap_or_default()
                 );
             }
@@ -128,20 +138,63 @@ impl LocalJob {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let done: Vec<(ExitStatus, Duration)> = status.into_iter().flatten().collect();
-        if let Some((rank, (s, at))) = done
-            .iter()
-            .enumerate()
-            .filter(|(_, (s, _))| !s.success())
-            .min_by_key(|(_, (_, at))| *at)
-        {
-            bail!(
-                "rank {rank} failed first ({s}, after {:.1} s)",
-                at.as_secs_f64()
-            );
-        }
-        Ok(done.into_iter().map(|(s, _)| s).collect())
+        Ok(status.into_iter().flatten().collect())
     }
+}
+
+/// How one rank's process ended.
+#[derive(Debug, Clone, Copy)]
+pub struct RankExit {
+    /// The rank.
+    pub rank: usize,
+    /// Its exit status.
+    pub status: ExitStatus,
+    /// When, from the start of the job.
+    pub after: Duration,
+}
+
+impl RankExit {
+    /// One line naming the rank and how it ended.
+    pub fn headline(&self) -> String {
+        format!(
+            "rank {} failed first ({}, after {:.1} s)",
+            self.rank,
+            self.status,
+            self.after.as_secs_f64()
+        )
+    }
+}
+
+/// The rank that failed first, if any.
+pub fn first_failure(exits: &[RankExit]) -> Option<&RankExit> {
+    exits
+        .iter()
+        .filter(|e| !e.status.success())
+        .min_by_key(|e| e.after)
+}
+
+/// A one-screen account of how the ranks ended: failures in the order they happened, and the
+/// successful ranks as a count.
+pub fn summary(exits: &[RankExit]) -> String {
+    let mut failed: Vec<&RankExit> = exits.iter().filter(|e| !e.status.success()).collect();
+    failed.sort_by_key(|e| e.after);
+    let ok = exits.len() - failed.len();
+    let mut out = format!("{} of {} ranks failed", failed.len(), exits.len());
+    for e in failed.iter().take(12) {
+        out.push_str(&format!(
+            "\n  rank {:>4}: {} after {:.1} s",
+            e.rank,
+            e.status,
+            e.after.as_secs_f64()
+        ));
+    }
+    if failed.len() > 12 {
+        out.push_str(&format!("\n  ... and {} more", failed.len() - 12));
+    }
+    if ok > 0 {
+        out.push_str(&format!("\n  {ok} ranks exited successfully"));
+    }
+    out
 }
 
 /// Sends SIGTERM to a child (a clean stop: it may still write its outputs).

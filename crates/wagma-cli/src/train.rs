@@ -105,7 +105,9 @@ pub struct Args {
     /// Scale of the injected times (1 = the paper's).
     #[arg(long)]
     pub time_scale: Option<f64>,
-    /// mem (threads of this process) or tcp (this process is one rank; see `wagma launch`).
+    /// mem (threads of this process), tcp (this process is one rank; see `wagma launch`) or
+    /// mpi (this process is one rank of an `mpirun`/`srun` job; needs a build with
+    /// `--features mpi`).
     #[arg(long)]
     pub transport: Option<String>,
     /// Run every rank in the deterministic virtual-time scheduler (bit-reproducible).
@@ -133,6 +135,10 @@ pub struct Args {
     /// --trace`).
     #[arg(long)]
     pub trace_compute: Option<PathBuf>,
+    /// Elastic continuation: when a rank dies, the others go on without it (rank 0 must
+    /// survive; it writes the outputs).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub elastic: Option<bool>,
     /// Resume from a checkpoint (directory, or output directory of an earlier run).
     #[arg(long)]
     pub resume: Option<PathBuf>,
@@ -262,10 +268,11 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
         (None | Some("mem"), false) => Execution::Threads,
         (None | Some("mem"), true) => Execution::Deterministic,
         (Some("tcp"), false) => Execution::Tcp,
-        (Some("tcp"), true) => {
-            bail!("--deterministic runs in one process; it cannot use --transport tcp")
+        (Some("mpi"), false) => Execution::Mpi,
+        (Some(t @ ("tcp" | "mpi")), true) => {
+            bail!("--deterministic runs in one process; it cannot use --transport {t}")
         }
-        (Some(t), _) => bail!("invalid transport {t:?} (mem or tcp)"),
+        (Some(t), _) => bail!("invalid transport {t:?} (mem, tcp or mpi)"),
     };
     c.dataset = match (&a.data, a.dataset.as_deref()) {
         (Some(d), None) => Dataset::Idx(d.clone()),
@@ -281,6 +288,9 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     c.trace_compute = a.trace_compute.clone();
     c.trace = a.trace.clone();
     c.resume = a.resume.clone();
+    if let Some(e) = a.elastic {
+        c.elastic = e;
+    }
     if let Some(t) = a.timeout {
         c.timeout =
             Duration::try_from_secs_f64(t).map_err(|_| anyhow::anyhow!("invalid timeout {t}"))?;
@@ -446,7 +456,16 @@ fn print_summary(s: &Summary, c: &TrainConfig) {
     ]);
     t.add_row(vec![
         "algorithm".to_string(),
-        format!("{} on {} ranks", s.label, s.ranks),
+        if s.ranks_alive < s.ranks {
+            format!(
+                "{} on {} ranks ({} lost; elastic continuation)",
+                s.label,
+                s.ranks,
+                s.ranks - s.ranks_alive
+            )
+        } else {
+            format!("{} on {} ranks", s.label, s.ranks)
+        },
     ]);
     t.add_row(vec!["iterations".to_string(), s.steps.to_string()]);
     t.add_row(vec![

@@ -57,6 +57,15 @@ pub enum Execution {
     Deterministic,
     /// This process is one rank of a TCP job (rendezvous from the environment).
     Tcp,
+    /// This process is one rank of an MPI job (`mpirun`, `srun`; needs the `mpi` feature).
+    Mpi,
+}
+
+impl Execution {
+    /// True when each rank is its own process (the job's size is the launcher's).
+    pub fn is_multi_process(self) -> bool {
+        matches!(self, Execution::Tcp | Execution::Mpi)
+    }
 }
 
 /// A training run.
@@ -102,6 +111,10 @@ pub struct TrainConfig {
     pub trace_compute: Option<PathBuf>,
     /// Resume from this checkpoint (a checkpoint directory or one with a `LATEST` pointer).
     pub resume: Option<PathBuf>,
+    /// Elastic continuation: when a rank dies the others go on without it and the run ends
+    /// with the survivors' consensus model (rank 0 must survive: it writes the outputs).
+    #[serde(default)]
+    pub elastic: bool,
     /// Also evaluate rank 0's replica.
     pub eval_replica: bool,
     /// End-to-end timeout of any collective.
@@ -132,6 +145,7 @@ impl Default for TrainConfig {
             trace_compute: None,
             trace: None,
             resume: None,
+            elastic: false,
             eval_replica: true,
             timeout: Duration::from_secs(120),
             progress: true,
@@ -167,7 +181,7 @@ impl TrainConfig {
         if self.timeout.is_zero() {
             return Err(TrainError::Config("timeout must be positive".into()));
         }
-        if self.execution != Execution::Tcp {
+        if !self.execution.is_multi_process() {
             self.algo.algorithm.validate(self.ranks)?;
         }
         if let Some(o) = &self.optimizer {

@@ -38,14 +38,55 @@ pub struct EvalRecord {
     /// Share of the ranks' time spent waiting so far.
     #[serde(default)]
     pub wait_fraction: f64,
-    /// Staleness of the contributions used so far, all ranks (values above 15 are counted
-    /// at 15).
+    /// Staleness of the contributions used so far, all ranks (values above 63 are counted
+    /// at 63).
     #[serde(default)]
     pub staleness: Histogram,
+    /// Ranks taking part (fewer than the job's after a loss in elastic mode).
+    #[serde(default)]
+    pub ranks_alive: usize,
 }
 
-/// Staleness buckets carried by an evaluation.
-const STALENESS_BUCKETS: usize = 16;
+/// Staleness buckets carried by a summation over ranks (the last one collects the rest).
+const STALENESS_BUCKETS: usize = 64;
+
+/// Waiting, staleness and liveness of the ranks, summed over them.
+struct Totals {
+    wait_s: f64,
+    staleness: Histogram,
+    alive: usize,
+}
+
+impl Totals {
+    /// This rank's part, as numbers to sum over ranks.
+    fn local(cs: &wagma::exec::CommStats) -> Vec<f64> {
+        let mut v = vec![0.0; 2 + STALENESS_BUCKETS];
+        v[0] = cs.wait_s;
+        v[1] = 1.0;
+        for (k, c) in cs.staleness.iter() {
+            v[2 + (k as usize).min(STALENESS_BUCKETS - 1)] += c as f64;
+        }
+        v
+    }
+
+    /// Reads the sums of [`Totals::local`] from the front of `sums`.
+    fn read(sums: &[f64]) -> Totals {
+        let mut staleness = Histogram::default();
+        for (k, &c) in sums[2..2 + STALENESS_BUCKETS].iter().enumerate() {
+            staleness.record_n(k as u64, c.round() as u64);
+        }
+        Totals {
+            wait_s: sums[0],
+            alive: sums[1].round() as usize,
+            staleness,
+        }
+    }
+
+    /// Share of the living ranks' time spent waiting over `wall_s`.
+    fn wait_fraction(&self, wall_s: f64) -> f64 {
+        self.wait_s / (wall_s.max(1e-9) * self.alive.max(1) as f64)
+    }
+}
 
 /// `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -80,6 +121,9 @@ pub struct Summary {
     pub final_metrics: BTreeMap<String, f64>,
     /// Share of the ranks' time spent waiting for communication.
     pub wait_fraction: f64,
+    /// Ranks still training at the end (fewer than `ranks` after a loss in elastic mode).
+    #[serde(default)]
+    pub ranks_alive: usize,
     /// Staleness of the contributions used, all ranks.
     pub staleness: Histogram,
     /// Trainable parameters.
@@ -245,6 +289,21 @@ struct Shared<'a, W: Workload> {
     observer: &'a dyn Observer,
 }
 
+#[cfg(feature = "mpi")]
+fn connect_mpi(engine: EngineConfig) -> Result<(Comm, std::thread::JoinHandle<()>), TrainError> {
+    Ok(threaded::connect_mpi(
+        engine,
+        wagma::transport::DEFAULT_MAX_FRAME,
+    )?)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn connect_mpi(_engine: EngineConfig) -> Result<(Comm, std::thread::JoinHandle<()>), TrainError> {
+    Err(TrainError::Config(
+        "this build has no MPI support (build with --features mpi)".into(),
+    ))
+}
+
 /// What a rank reports at the end.
 struct RankEnd {
     summary: Summary,
@@ -260,15 +319,29 @@ pub fn run<W: Workload>(
 ) -> Result<Summary, TrainError> {
     cfg.validate()?;
     let init = initial_model(w, cfg.seed);
+    let engine = EngineConfig {
+        timeout: cfg.timeout,
+        // Real processes can die or stall: watch the peers (not needed in virtual time).
+        heartbeat: (cfg.execution != Execution::Deterministic)
+            .then(|| (cfg.timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))),
+        trace: cfg.trace.is_some(),
+        elastic: cfg.elastic,
+        ..EngineConfig::default()
+    };
+    // In a multi-process job this process is one rank: join the job first.
+    let process = match cfg.execution {
+        Execution::Tcp => Some(threaded::connect_tcp(&TcpConfig::from_env()?, engine)?),
+        Execution::Mpi => Some(connect_mpi(engine)?),
+        Execution::Threads | Execution::Deterministic => None,
+    };
+    let ranks = process.as_ref().map_or(cfg.ranks, |(c, _)| c.size());
+    if process.is_some() {
+        cfg.algo.algorithm.validate(ranks)?;
+    }
     let resume = match &cfg.resume {
         Some(p) => {
             let ckpt = checkpoint::locate(p)?;
             let meta = checkpoint::read_meta(&ckpt)?;
-            let ranks = if cfg.execution == Execution::Tcp {
-                meta.ranks
-            } else {
-                cfg.ranks
-            };
             checkpoint::check_compatible(&meta, w.name(), &init.layout, ranks, &ckpt)?;
             if !cfg.algo.is_clean_point(meta.iteration) {
                 return Err(TrainError::checkpoint(
@@ -280,20 +353,7 @@ pub fn run<W: Workload>(
         }
         None => None,
     };
-    let engine = EngineConfig {
-        timeout: cfg.timeout,
-        // Real processes can die or stall: watch the peers (not needed in virtual time).
-        heartbeat: (cfg.execution != Execution::Deterministic)
-            .then(|| (cfg.timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))),
-        trace: cfg.trace.is_some(),
-        ..EngineConfig::default()
-    };
-    let tcp = if cfg.execution == Execution::Tcp {
-        Some(TcpConfig::from_env()?)
-    } else {
-        None
-    };
-    let is_rank0 = tcp.as_ref().is_none_or(|t| t.rank == 0);
+    let is_rank0 = process.as_ref().is_none_or(|(c, _)| c.rank() == 0);
     if is_rank0 {
         check_writable(&cfg.out)?;
         if let Some(t) = &cfg.trace_compute {
@@ -323,7 +383,7 @@ pub fn run<W: Workload>(
             },
         })
     };
-    let job: JobResult<RankEnd> = match &tcp {
+    let job: JobResult<RankEnd> = match process {
         None if cfg.execution == Execution::Deterministic => virtual_time::run(
             cfg.ranks,
             engine,
@@ -331,10 +391,8 @@ pub fn run<W: Workload>(
             task,
         )?,
         None => threaded::run(cfg.ranks, engine, task)?,
-        Some(t) => {
-            let (mut c, handle) = threaded::connect_tcp(t, engine)?;
+        Some((mut c, handle)) => {
             let r = block_on(task(&mut c));
-            let at = Duration::ZERO;
             match &r {
                 Ok(_) => {
                     block_on(c.finish())?;
@@ -342,7 +400,6 @@ pub fn run<W: Workload>(
                 Err(_) => c.abort(),
             }
             let _ = handle.join();
-            let _ = at;
             JobResult {
                 first_failure: r.is_err().then_some(0),
                 ranks: vec![r],
@@ -418,6 +475,8 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let ckpt_every = cfg.checkpoint_every;
     let mut next_ckpt = ckpt_every.map(|k| start_iter + k);
     let mut steps_done = start_iter;
+    // Ranks still training (fewer after a loss in elastic mode; learnt at evaluations).
+    let mut alive = p;
     let mut trace: Vec<ComputeLine> = Vec::new();
     for t in start_iter..cfg.steps {
         if let Some(im) = &cfg.imbalance {
@@ -450,7 +509,8 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             worker.buffers_mut().copy_from_slice(&b);
         }
         worker.step(&grads).await?;
-        samples += (n * p) as u64;
+        // Every living rank processed a batch of the same size.
+        samples += (n * alive) as u64;
         let done = t + 1;
         if rank == 0 {
             s.observer
@@ -463,6 +523,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             let ev = evaluate(&mut worker, &mut fm, s, done, samples, now).await?;
             excluded += (worker.comm().now() - e0).as_secs_f64();
             out_of_budget = ev.out_of_budget;
+            alive = ev.record.ranks_alive;
             if rank == 0 {
                 if let Some(o) = &s.outputs {
                     o.record(&ev.record)?;
@@ -500,19 +561,17 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         let file = wagma::trace::rank_path(path, rank);
         wagma::trace::write(&file, rank, events).map_err(|e| TrainError::io(&file, e))?;
     }
-    // Totals over ranks: waiting and staleness.
-    let stats = worker.comm().stats().clone();
-    const BUCKETS: usize = 65;
-    let mut v = vec![0f32; 1 + BUCKETS];
-    v[0] = stats.wait_s as f32;
-    for (k, c) in stats.staleness.iter() {
-        v[1 + (k as usize).min(BUCKETS - 1)] += c as f32;
-    }
-    let sums = worker.comm().allreduce(Payload::Data(v)).await?.into_vec();
-    let mut staleness = Histogram::default();
-    for (k, &c) in sums[1..].iter().enumerate() {
-        staleness.record_n(k as u64, c.round() as u64);
-    }
+    let local = Totals::local(worker.comm().stats());
+    let f: Vec<f32> = local.iter().map(|&x| x as f32).collect();
+    let sums: Vec<f64> = worker
+        .comm()
+        .allreduce(Payload::Data(f))
+        .await?
+        .into_vec()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let totals = Totals::read(&sums);
     let summary = Summary {
         workload: w.name().into(),
         data: s.data.clone(),
@@ -528,8 +587,9 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         samples,
         samples_per_s: samples as f64 / wall.max(1e-9),
         final_metrics: last_metrics,
-        wait_fraction: f64::from(sums[0]) / (wall.max(1e-9) * p as f64),
-        staleness,
+        wait_fraction: totals.wait_fraction(wall),
+        ranks_alive: totals.alive,
+        staleness: totals.staleness,
         params: s.init.params.len(),
         checkpoint: last_ckpt,
     };
@@ -545,10 +605,12 @@ async fn evaluate<W: Workload>(
     wall_s: f64,
 ) -> Result<Evaluation, TrainError> {
     let rank = worker.comm().rank();
-    let p = worker.comm().size();
     let distance = worker.consensus_distance().await?;
     let (cp, cb) = worker.consensus().await?;
-    let mut stats = eval_with(fm, s.w, cp.as_slice(), cb.as_slice(), rank, p);
+    // The held-out set is split among the living ranks (all of them unless some were lost).
+    let living = worker.comm().living_ranks().await?;
+    let shard = living.iter().position(|&r| r == rank).unwrap_or(0);
+    let mut stats = eval_with(fm, s.w, cp.as_slice(), cb.as_slice(), shard, living.len());
     let k = stats.len();
     if s.cfg.eval_replica {
         // Rank 0's replica, sent to everyone (the others contribute zeros).
@@ -564,15 +626,11 @@ async fn evaluate<W: Workload>(
             .allreduce(Payload::Data(mine))
             .await?
             .into_vec();
-        stats.extend(eval_with(fm, s.w, &r0[..n], &r0[n..], rank, p));
+        stats.extend(eval_with(fm, s.w, &r0[..n], &r0[n..], shard, living.len()));
     }
-    // Waiting and staleness so far, summed over ranks.
+    // Waiting, staleness and liveness so far, summed over ranks.
     let m = stats.len();
-    let cs = worker.comm().stats().clone();
-    stats.push(cs.wait_s);
-    for v in 0..STALENESS_BUCKETS as u64 {
-        stats.push(cs.staleness.count(v) as f64);
-    }
+    stats.extend(Totals::local(worker.comm().stats()));
     // Rank 0's training clock rides along: every rank learns whether the budget is spent.
     stats.push(if rank == 0 { wall_s } else { 0.0 });
     let f: Vec<f32> = stats.iter().map(|&x| x as f32).collect();
@@ -591,10 +649,7 @@ async fn evaluate<W: Workload>(
             .collect()
     };
     let clock0 = sums.last().copied().unwrap_or(0.0);
-    let mut staleness = Histogram::default();
-    for (v, &c) in sums[m + 1..m + 1 + STALENESS_BUCKETS].iter().enumerate() {
-        staleness.record_n(v as u64, c.round() as u64);
-    }
+    let totals = Totals::read(&sums[m..]);
     let record = EvalRecord {
         iteration,
         wall_s,
@@ -602,8 +657,9 @@ async fn evaluate<W: Workload>(
         consensus: named(&sums[..k]),
         replica0: s.cfg.eval_replica.then(|| named(&sums[k..m])),
         consensus_distance: distance,
-        wait_fraction: sums[m] / (wall_s.max(1e-9) * p as f64),
-        staleness,
+        wait_fraction: totals.wait_fraction(wall_s),
+        staleness: totals.staleness,
+        ranks_alive: totals.alive,
     };
     Ok(Evaluation {
         record,

@@ -118,7 +118,7 @@ pub enum Error {
         missing: Vec<Rank>,
     },
     /// A peer's connection broke or the peer was declared dead.
-    #[error("rank {rank}: peer {peer} was lost ({reason}); failed {op}")]
+    #[error("rank {rank}: lost rank {peer} during {op} ({reason})")]
     PeerLost {
         /// Reporting rank.
         rank: Rank,

@@ -63,3 +63,43 @@ fn wagma_goes_on_without_a_dead_rank() {
         );
     }
 }
+
+#[test]
+fn collectives_average_over_the_living_after_a_loss() {
+    let cfg = EngineConfig {
+        timeout: Duration::from_secs(10),
+        heartbeat: Some(Duration::from_millis(250)),
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let out = threaded::run(4, cfg, async |c: &mut Comm| {
+        let rank = c.rank();
+        let before = c
+            .allreduce_mean(Payload::Data(vec![rank as f32; 3]))
+            .await?;
+        if rank == 3 {
+            return Err(Error::Task {
+                rank,
+                message: "killed".into(),
+            });
+        }
+        let mut after = Vec::new();
+        for _ in 0..5 {
+            after.push(
+                c.allreduce_mean(Payload::Data(vec![rank as f32; 3]))
+                    .await?
+                    .into_vec(),
+            );
+        }
+        Ok((before.into_vec(), after, c.living_ranks().await?))
+    })
+    .unwrap();
+    for r in out.ranks.iter().take(3) {
+        let (before, after, living) = r.as_ref().unwrap();
+        assert_eq!(before, &vec![1.5; 3]);
+        for a in after {
+            assert_eq!(a, &vec![1.0; 3]);
+        }
+        assert_eq!(living, &vec![0, 1, 2]);
+    }
+}

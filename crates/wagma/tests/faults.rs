@@ -161,7 +161,7 @@ fn corrupt_frames_on_tcp_end_in_an_error_naming_the_peer() {
     assert_eq!(err.peer(), Some(1), "{err}");
     let text = err.to_string();
     assert!(
-        text.contains("peer 1") && (text.contains("frame") || text.contains("malformed")),
+        text.contains("lost rank 1") && (text.contains("frame") || text.contains("malformed")),
         "{text}"
     );
 }

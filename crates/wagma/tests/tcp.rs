@@ -268,7 +268,7 @@ fn killing_a_process_fails_every_survivor_naming_it() {
         }
         assert_eq!(*code, Some(3), "rank {rank} should fail: {err}");
         assert!(
-            err.contains("peer 2"),
+            err.contains("lost rank 2"),
             "rank {rank} must name the dead peer: {err}"
         );
     }

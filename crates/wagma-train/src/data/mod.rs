@@ -70,8 +70,18 @@ impl ImageSet {
     }
 }
 
-/// Endless shuffled minibatches of one rank's shard: the dataset is cut into P interleaved
-/// shards and each epoch visits the shard in a new seeded order.
+/// The sample indices of `rank`'s shard among `ranks`: every rank takes every P-th sample of
+/// one seeded permutation shared by all ranks, so the shards partition the data and each is
+/// a uniform sample of it whatever the order of the files (a class-ordered file would
+/// otherwise give ranks disjoint classes).
+pub fn shard(n: usize, rank: usize, ranks: usize, seed: u64) -> Vec<usize> {
+    let mut all: Vec<usize> = (0..n).collect();
+    all.shuffle(&mut ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_5a4d));
+    all.into_iter().skip(rank).step_by(ranks.max(1)).collect()
+}
+
+/// Endless shuffled minibatches of one rank's shard (see [`shard`]); each epoch visits the
+/// shard in a new seeded order.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     shard: Vec<usize>,
@@ -84,7 +94,7 @@ pub struct Sampler {
 impl Sampler {
     /// The shard of `rank` among `ranks` over `n` samples.
     pub fn new(n: usize, rank: usize, ranks: usize, seed: u64) -> Sampler {
-        let shard: Vec<usize> = (rank..n).step_by(ranks.max(1)).collect();
+        let shard = shard(n, rank, ranks, seed);
         let mut s = Sampler {
             order: Vec::new(),
             shard,
@@ -153,6 +163,13 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&c| c == 1));
+        // Class-ordered data (label i % 10) still gives every rank every class.
+        for r in 0..8 {
+            let mut classes: Vec<usize> = shard(1000, r, 8, 3).iter().map(|i| i % 10).collect();
+            classes.sort_unstable();
+            classes.dedup();
+            assert_eq!(classes.len(), 10, "rank {r}");
+        }
         let mut a = Sampler::new(100, 1, 3, 7);
         a.next_batch(50);
         let (e, at) = a.position();

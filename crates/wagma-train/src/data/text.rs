@@ -196,7 +196,7 @@ pub struct BucketSampler {
 pub const BUCKETS: [usize; 6] = [2, 4, 6, 9, 14, 64];
 
 impl BucketSampler {
-    /// Buckets over this rank's shard of `pairs` (interleaved by rank).
+    /// Buckets over this rank's shard of `pairs` (see [`super::shard`]).
     pub fn new(
         pairs: &[(Vec<u32>, Vec<u32>)],
         rank: usize,
@@ -204,7 +204,7 @@ impl BucketSampler {
         seed: u64,
     ) -> BucketSampler {
         let mut buckets = vec![Vec::new(); BUCKETS.len()];
-        for i in (rank..pairs.len()).step_by(ranks.max(1)) {
+        for i in super::shard(pairs.len(), rank, ranks, seed) {
             let len = pairs[i].0.len();
             let b = BUCKETS
                 .iter()
@@ -286,6 +286,7 @@ mod tests {
             .map(|i| (vec![5; 1 + i % 20], vec![6; 3]))
             .collect();
         let mut s = BucketSampler::new(&pairs, 0, 2, 1);
+        let mine = super::super::shard(pairs.len(), 0, 2, 1);
         for _ in 0..20 {
             let b = s.next_batch(8);
             let lens: Vec<usize> = b.iter().map(|&i| pairs[i].0.len()).collect();
@@ -294,7 +295,7 @@ mod tests {
                 lens.iter().all(|&l| bucket(l) == bucket(lens[0])),
                 "{lens:?}"
             );
-            assert!(b.iter().all(|i| i % 2 == 0));
+            assert!(b.iter().all(|i| mine.contains(i)));
         }
     }
 }

@@ -38,7 +38,7 @@ pub fn load(dataset: &Dataset, seed: u64) -> Result<(ImageSet, ImageSet, String)
         }
         Dataset::Auto | Dataset::Builtin => Ok((
             mnist1d::generate(8000, seed ^ 0x11),
-            mnist1d::generate(2000, seed ^ 0x22),
+            mnist1d::generate(10_000, seed ^ 0x22),
             "builtin (procedural 1-D signals)".into(),
         )),
         Dataset::Idx(dir) => {

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use super::{Action, Engine, Time};
 use crate::Rank;
-use crate::error::Error;
 use crate::payload::Payload;
 use crate::transport::{Envelope, Kind, Meta, Tag};
 
@@ -106,30 +105,15 @@ impl Engine {
             let since = l.last_heard[p]
                 .map(|t| now.saturating_sub(t))
                 .unwrap_or_default();
-            let it = l
-                .iteration_of(p)
-                .map_or("unknown".to_string(), |i| i.to_string());
+            let reason = format!("silent for {:.1} s", since.as_secs_f64());
             if self.cfg.elastic {
                 // Stop watching it and go on.
                 l.watched[p] = false;
-                let reason = format!(
-                    "silent for {:.1} s; its last reported iteration was {it}",
-                    since.as_secs_f64()
-                );
-                self.declare_dead(now, p, &reason, out);
+                let (_, context) = self.blame(p);
+                self.declare_dead(now, p, &format!("{reason}{context}"), out);
                 return self.failed.is_some();
             }
-            let op = self.current_op();
-            let err = Error::PeerLost {
-                rank: self.rank,
-                peer: p,
-                op,
-                reason: format!(
-                    "silent for {:.1} s; its last reported iteration was {it}",
-                    since.as_secs_f64()
-                ),
-            };
-            self.fail(err, out);
+            self.on_peer_lost(now, p, &reason, out);
             return true;
         }
         for (p, w) in l.watched.iter().enumerate() {

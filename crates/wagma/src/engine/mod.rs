@@ -187,6 +187,9 @@ pub struct EngineStats {
     pub passive_rounds: u64,
     /// Global sync rounds executed.
     pub syncs: u64,
+    /// Peers declared dead (elastic mode), in rank order.
+    #[serde(default)]
+    pub dead: Vec<Rank>,
 }
 
 /// The progress engine of one rank.
@@ -381,10 +384,6 @@ impl Engine {
         if self.failed.is_some() {
             return;
         }
-        if self.cfg.elastic {
-            self.declare_dead(now, peer, reason, out);
-            return;
-        }
         // A peer that said goodbye may close its connections; only an operation that still
         // needs it fails (see `settle`).
         if self.departed.get(peer).copied().unwrap_or(false)
@@ -392,29 +391,55 @@ impl Engine {
         {
             return;
         }
-        let op = self
-            .running
-            .iter()
-            .find(|r| r.waits_on(peer))
-            .or(self.running.first())
-            .map(|r| r.op.clone())
-            .or_else(|| self.outstanding.values().next().cloned())
-            .unwrap_or(Op::Other("idle"));
+        if self.cfg.elastic {
+            self.declare_dead(now, peer, reason, out);
+            return;
+        }
+        let (op, context) = self.blame(peer);
+        let reason = format!("{reason}{context}");
         self.fail(
             Error::PeerLost {
                 rank: self.rank,
                 peer,
                 op,
-                reason: reason.to_string(),
+                reason,
             },
             out,
         );
+    }
+
+    /// The operation to blame for the loss of `peer`, and what is known about it: its last
+    /// reported iteration and the group of the operation that waits for it.
+    pub(super) fn blame(&self, peer: Rank) -> (Op, String) {
+        let mut context = String::new();
+        if let Some(i) = self.liveness.as_ref().and_then(|l| l.iteration_of(peer)) {
+            context.push_str(&format!("; its last reported iteration was {i}"));
+        }
+        match self.running.iter().find(|r| r.waits_on(peer)) {
+            Some(r) => {
+                let what = if r.kind == Kind::Round {
+                    "group"
+                } else {
+                    "peers"
+                };
+                context.push_str(&format!("; its {what}: {:?}", r.peers()));
+                (r.op.clone(), context)
+            }
+            None => (self.current_op(), context),
+        }
     }
 
     /// Messages telling every peer that this rank leaves: cleanly (`abort == false`, after its
     /// last collective) or because it failed. The engine stops.
     pub fn farewell(&mut self, abort: bool) -> Vec<(Rank, Envelope)> {
         let step = if abort { CONTROL_ABORT } else { CONTROL_BYE };
+        // An abort names the rank the failure started from (plus one; zero: this rank), so
+        // that every survivor's error blames the same rank.
+        let culprit = self
+            .failed
+            .as_ref()
+            .and_then(Error::peer)
+            .map_or(0, |p| p as u64 + 1);
         let msgs = (0..self.ranks)
             .filter(|&p| p != self.rank)
             .map(|p| {
@@ -425,7 +450,10 @@ impl Engine {
                         seq: 0,
                         step,
                     },
-                    meta: Meta::default(),
+                    meta: Meta {
+                        aux: if abort { culprit } else { 0 },
+                        ..Meta::default()
+                    },
                     data: Payload::Size(0),
                 };
                 (p, env)
@@ -452,18 +480,23 @@ impl Engine {
                 self.declare_dead(now, env.from, "it failed and left the job", out);
             }
             CONTROL_ABORT => {
-                let op = self
-                    .outstanding
-                    .values()
-                    .next()
-                    .cloned()
-                    .unwrap_or(Op::Other("idle"));
+                let op = self.current_op();
+                let culprit = usize::try_from(env.meta.aux)
+                    .ok()
+                    .and_then(|a| a.checked_sub(1))
+                    .filter(|&c| c < self.ranks && c != self.rank)
+                    .unwrap_or(env.from);
+                let reason = if culprit == env.from {
+                    format!("rank {} failed and left the job", env.from)
+                } else {
+                    format!("rank {} left the job after losing rank {culprit}", env.from)
+                };
                 self.fail(
                     Error::PeerLost {
                         rank: self.rank,
-                        peer: env.from,
+                        peer: culprit,
                         op,
-                        reason: format!("rank {} failed and left the job", env.from),
+                        reason,
                     },
                     out,
                 );
@@ -484,6 +517,7 @@ impl Engine {
             return;
         }
         self.dead[peer] = true;
+        self.stats.dead = self.dead();
         tracing::warn!(
             rank = self.rank,
             peer,
@@ -555,7 +589,7 @@ impl Engine {
             .first()
             .map(|r| r.op.clone())
             .or_else(|| self.outstanding.values().next().cloned())
-            .unwrap_or(Op::Other("idle"))
+            .unwrap_or(Op::Other("the local step (no collective in flight)"))
     }
 
     /// Describes what this engine is waiting for (for deadlock reports).

@@ -384,6 +384,16 @@ impl Comm {
             .map(|e| e.data)
     }
 
+    /// The ranks still in the job: all of them, or in elastic mode those this rank has not
+    /// declared dead.
+    pub async fn living_ranks(&mut self) -> Result<Vec<Rank>, Error> {
+        if !self.cfg.elastic {
+            return Ok((0..self.size).collect());
+        }
+        let dead = self.engine_stats().await?.dead;
+        Ok((0..self.size).filter(|r| !dead.contains(r)).collect())
+    }
+
     /// The engine's counters.
     pub async fn engine_stats(&mut self) -> Result<EngineStats, Error> {
         match self.port.submit(Request::Stats).await? {

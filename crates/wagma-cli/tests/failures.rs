@@ -1,0 +1,237 @@
+//! Failures of real processes over TCP: a rank killed mid-run ends the job within the timeout
+//! with errors that name it; with elastic continuation the survivors finish and still learn.
+//!
+//! `WAGMA_STRESS=N` repeats the kill test N times (for example 50) with varying victims and
+//! kill times, and prints the counts.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wagma-failures-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `n` ranks of `wagma ARGS` over TCP; each rank's stderr goes to `dir/rank-R.log`.
+fn spawn_job(n: usize, args: &[String], dir: &Path) -> Vec<Child> {
+    let rdv = format!("127.0.0.1:{}", free_port());
+    (0..n)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_wagma"))
+                .args(args)
+                .env("WAGMA_RANK", rank.to_string())
+                .env("WAGMA_WORLD_SIZE", n.to_string())
+                .env("WAGMA_RENDEZVOUS", &rdv)
+                .env("WAGMA_JOB_ID", "failures")
+                .env("WAGMA_SECRET", "test-secret")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(File::create(dir.join(format!("rank-{rank}.log"))).unwrap())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn train_args(out: &Path, steps: u64, eval_every: u64, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "train",
+        "--transport",
+        "tcp",
+        "--dataset",
+        "builtin",
+        "--quiet",
+        "true",
+        "--steps",
+        &steps.to_string(),
+        "--eval-every",
+        &eval_every.to_string(),
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.push(out.display().to_string());
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// The last iteration rank 0 has evaluated so far.
+fn evaluated(out: &Path) -> u64 {
+    std::fs::read_to_string(out.join("metrics.jsonl.partial"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["iteration"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// Waits for every child; `None` for one still running after `limit` (then killed).
+fn wait_all(children: &mut [Child], limit: Duration) -> Vec<Option<std::process::ExitStatus>> {
+    let t0 = Instant::now();
+    let mut status = vec![None; children.len()];
+    while status.iter().any(Option::is_none) && t0.elapsed() < limit {
+        for (i, c) in children.iter_mut().enumerate() {
+            if status[i].is_none() {
+                status[i] = c.try_wait().unwrap();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    status
+}
+
+/// How one kill went: whether every survivor stopped in time and named the victim.
+#[derive(Debug, Default)]
+struct KillOutcome {
+    survivors_stopped: usize,
+    named_the_victim: usize,
+    hung: usize,
+    succeeded_wrongly: usize,
+}
+
+fn kill_one(rep: u64, ranks: usize, timeout_s: u64) -> KillOutcome {
+    let dir = tmp(&format!("kill-{rep}"));
+    let out = dir.join("out");
+    let victim = 1 + (rep as usize * 5) % (ranks - 1);
+    let args = train_args(
+        &out,
+        100_000,
+        5,
+        &["--timeout", &timeout_s.to_string(), "--group-size", "2"],
+    );
+    let mut children = spawn_job(ranks, &args, &dir);
+    // Let training start (rank 0 has evaluated once), then kill at a varying moment.
+    let started = wait_until(Duration::from_secs(60), || evaluated(&out) >= 5);
+    assert!(started, "the job did not start training");
+    std::thread::sleep(Duration::from_millis((rep * 37) % 300));
+    children[victim].kill().unwrap();
+    let killed_at = Instant::now();
+    let status = wait_all(&mut children, Duration::from_secs(timeout_s + 30));
+    let elapsed = killed_at.elapsed();
+    let mut o = KillOutcome::default();
+    for (rank, s) in status.iter().enumerate() {
+        if rank == victim {
+            continue;
+        }
+        match s {
+            None => o.hung += 1,
+            Some(s) if s.success() => o.succeeded_wrongly += 1,
+            Some(_) => {
+                o.survivors_stopped += 1;
+                let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
+                if log.contains(&format!("lost rank {victim}")) {
+                    o.named_the_victim += 1;
+                } else {
+                    eprintln!("rank {rank} did not name rank {victim}:\n{log}");
+                }
+            }
+        }
+    }
+    eprintln!(
+        "rep {rep}: killed rank {victim}; survivors stopped within {:.1} s: {o:?}",
+        elapsed.as_secs_f64()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    o
+}
+
+#[test]
+fn killing_a_tcp_rank_stops_every_survivor_with_an_error_naming_it() {
+    let reps: u64 = std::env::var("WAGMA_STRESS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let ranks = 4;
+    let mut total = KillOutcome::default();
+    for rep in 0..reps {
+        let o = kill_one(rep, ranks, 5);
+        total.survivors_stopped += o.survivors_stopped;
+        total.named_the_victim += o.named_the_victim;
+        total.hung += o.hung;
+        total.succeeded_wrongly += o.succeeded_wrongly;
+    }
+    eprintln!("{reps} kills of one of {ranks} TCP ranks: {total:?}");
+    let survivors = reps as usize * (ranks - 1);
+    assert_eq!(total.hung, 0, "{total:?}");
+    assert_eq!(total.succeeded_wrongly, 0, "{total:?}");
+    assert_eq!(total.survivors_stopped, survivors, "{total:?}");
+    assert_eq!(total.named_the_victim, survivors, "{total:?}");
+}
+
+/// Final accuracy and the number of ranks alive at the end.
+fn outcome(out: &Path) -> (f64, u64) {
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let acc = s["final_metrics"]["accuracy"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no accuracy in {s}"));
+    (acc, s["ranks_alive"].as_u64().unwrap())
+}
+
+#[test]
+fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
+    let (ranks, steps) = (8, 600);
+    let extra = ["--elastic", "--timeout", "20"];
+    // Undisturbed.
+    let dir = tmp("elastic-base");
+    let base_out = dir.join("out");
+    let mut children = spawn_job(ranks, &train_args(&base_out, steps, 100, &extra), &dir);
+    let status = wait_all(&mut children, Duration::from_secs(600));
+    assert!(
+        status.iter().all(|s| s.is_some_and(|s| s.success())),
+        "{status:?}"
+    );
+    let (base, alive) = outcome(&base_out);
+    assert_eq!(alive, 8);
+    // Rank 5 killed half-way.
+    let dir2 = tmp("elastic-kill");
+    let out = dir2.join("out");
+    let mut children = spawn_job(ranks, &train_args(&out, steps, 100, &extra), &dir2);
+    assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= steps / 2));
+    children[5].kill().unwrap();
+    let status = wait_all(&mut children, Duration::from_secs(600));
+    for (rank, s) in status.iter().enumerate() {
+        if rank != 5 {
+            let log = std::fs::read_to_string(dir2.join(format!("rank-{rank}.log"))).unwrap();
+            assert!(s.is_some_and(|s| s.success()), "rank {rank}: {s:?}\n{log}");
+        }
+    }
+    let (acc, alive) = outcome(&out);
+    assert_eq!(alive, 7);
+    eprintln!("undisturbed accuracy {base:.4}; rank 5 killed half-way: {acc:.4}");
+    assert!(
+        (acc - base).abs() <= 0.01,
+        "accuracy {acc:.4} vs undisturbed {base:.4}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&dir2);
+}
