@@ -562,16 +562,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         wagma::trace::write(&file, rank, events).map_err(|e| TrainError::io(&file, e))?;
     }
     let local = Totals::local(worker.comm().stats());
-    let f: Vec<f32> = local.iter().map(|&x| x as f32).collect();
-    let sums: Vec<f64> = worker
-        .comm()
-        .allreduce(Payload::Data(f))
-        .await?
-        .into_vec()
-        .into_iter()
-        .map(f64::from)
-        .collect();
-    let totals = Totals::read(&sums);
+    let totals = Totals::read(&sum_over_ranks(&mut worker, &local).await?);
     let summary = Summary {
         workload: w.name().into(),
         data: s.data.clone(),
@@ -633,15 +624,7 @@ async fn evaluate<W: Workload>(
     stats.extend(Totals::local(worker.comm().stats()));
     // Rank 0's training clock rides along: every rank learns whether the budget is spent.
     stats.push(if rank == 0 { wall_s } else { 0.0 });
-    let f: Vec<f32> = stats.iter().map(|&x| x as f32).collect();
-    let sums: Vec<f64> = worker
-        .comm()
-        .allreduce(Payload::Data(f))
-        .await?
-        .into_vec()
-        .into_iter()
-        .map(f64::from)
-        .collect();
+    let sums = sum_over_ranks(worker, &stats).await?;
     let named = |xs: &[f64]| -> BTreeMap<String, f64> {
         s.w.metrics(xs)
             .into_iter()
@@ -666,6 +649,13 @@ async fn evaluate<W: Workload>(
         consensus: (cp, cb),
         out_of_budget: s.cfg.budget.is_some_and(|b| clock0 >= b),
     })
+}
+
+/// Sums `xs` over the ranks (in `f32`, as the engine reduces).
+async fn sum_over_ranks(worker: &mut Worker<'_>, xs: &[f64]) -> Result<Vec<f64>, TrainError> {
+    let f: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
+    let sums = worker.comm().allreduce(Payload::Data(f)).await?;
+    Ok(sums.into_vec().into_iter().map(f64::from).collect())
 }
 
 /// An evaluation and what it implies.
