@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # Multi-host runs on one machine: N network namespaces ("hosts") joined by veth pairs to a
 # bridge, each host's link shaped with tc (netem rate and delay when the kernel has netem, a
-# token bucket for the rate alone otherwise), and `wagma bench imbalance` over TCP across them,
-# for every combination of the rates and delays given. Prints one JSON line per combination:
-# {"rate", "delay", "shaping", "rows": [per algorithm: samples/s, waiting, ...]}.
+# token bucket for the rate alone otherwise), and one rank per host over TCP, for every
+# combination of the rates and delays given:
+#
+#   MODE=train (default): `wagma train` with each algorithm of ALGOS; prints one JSON line per
+#     combination and algorithm: {"rate", "delay", "shaping", "algo", "samples_per_s",
+#     "wait_fraction", "final_metrics"}.
+#   MODE=bench: `wagma bench imbalance` (every algorithm on the same compute draws, a model of
+#     MODEL floats); prints one JSON line per combination: {"rate", "delay", "shaping", "rows"}.
 #
 # Needs root and iproute2. The namespaces, veths and bridge are removed on exit, also on
 # failure or interruption.
 #
-# Environment (defaults in brackets): WAGMA [target/release/wagma], HOSTS [4],
-# RATES ["1gbit 10gbit"], DELAYS ["0.1ms 5ms"], STEPS [20], MODEL [262144],
-# PROFILE [paper-resnet], TIME_SCALE [0.05], ALGOS [all].
+# Environment (defaults in brackets): WAGMA [target/release/wagma], MODE [train], HOSTS [4],
+# RATES ["1gbit 10gbit"], DELAYS ["0.1ms 5ms"], STEPS [60], PROFILE [paper-resnet],
+# TIME_SCALE [0.05], ALGOS ["wagma allreduce-sgd local-sgd d-psgd ad-psgd sgp eager-sgd"],
+# MODEL [262144] (bench), TRAIN_ARGS [""] (more `wagma train` options).
 set -euo pipefail
 
 WAGMA=${WAGMA:-target/release/wagma}
+MODE=${MODE:-train}
 HOSTS=${HOSTS:-4}
 RATES=${RATES:-"1gbit 10gbit"}
 DELAYS=${DELAYS:-"0.1ms 5ms"}
-STEPS=${STEPS:-20}
+STEPS=${STEPS:-60}
 MODEL=${MODEL:-262144}
 PROFILE=${PROFILE:-paper-resnet}
 TIME_SCALE=${TIME_SCALE:-0.05}
-ALGOS=${ALGOS:-}
+ALGOS=${ALGOS:-"wagma allreduce-sgd local-sgd d-psgd ad-psgd sgp eager-sgd"}
+TRAIN_ARGS=${TRAIN_ARGS:-}
 
 WAGMA=$(realpath "$WAGMA")
 TAG="wg$$"
@@ -66,33 +74,50 @@ shape() { # rate delay -> prints the shaping actually applied
   echo "$how"
 }
 
-run() { # -> rank 0's result JSON
+# Runs `wagma ARGS...` as one rank per host (extra environment in RANK_ENV); the ranks'
+# outputs land in $out/rank-N.{out,err}. Fails, printing the ranks' errors, if one fails.
+on_hosts() {
   local port=$(( 20000 + ($$ % 20000) + RANDOM % 1000 ))
-  local out
-  out=$(mktemp -d)
-  local args=(bench imbalance --transport tcp --ranks "$HOSTS" --steps "$STEPS" --model-params "$MODEL" --profile "$PROFILE" --time-scale "$TIME_SCALE")
-  if [ -n "$ALGOS" ]; then args+=(--algos "$ALGOS"); fi
+  local pids=()
   for i in $(seq 0 $((HOSTS - 1))); do
-    ip netns exec "${TAG}n$i" env WAGMA_BENCH_WORKER=1 WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
+    ip netns exec "${TAG}n$i" env $RANK_ENV WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
       WAGMA_RENDEZVOUS="$NET.1:$port" WAGMA_BIND="$NET.$((i + 1))" WAGMA_JOB_ID="$TAG" WAGMA_SECRET="$TAG-secret" \
-      "$WAGMA" "${args[@]}" > "$out/rank-$i.out" 2> "$out/rank-$i.err" &
+      "$WAGMA" "$@" > "$out/rank-$i.out" 2> "$out/rank-$i.err" &
+    pids+=($!)
   done
   local failed=0
-  for pid in $(jobs -p); do wait "$pid" || failed=1; done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
   if [ "$failed" != 0 ]; then
     echo "a rank failed:" >&2
     cat "$out"/rank-*.err >&2
-    rm -rf "$out"
     return 1
   fi
-  sed -n 's/^WAGMA-BENCH-RESULT //p' "$out/rank-0.out"
-  rm -rf "$out"
 }
 
+out=$(mktemp -d)
 for rate in $RATES; do
   for delay in $DELAYS; do
     how=$(shape "$rate" "$delay")
-    rows=$(run)
-    printf '{"rate":"%s","delay":"%s","shaping":"%s","rows":%s}\n' "$rate" "$delay" "$how" "$rows"
+    if [ "$MODE" = bench ]; then
+      RANK_ENV="WAGMA_BENCH_WORKER=1" on_hosts bench imbalance --transport tcp --ranks "$HOSTS" --steps "$STEPS" \
+        --model-params "$MODEL" --profile "$PROFILE" --time-scale "$TIME_SCALE" --algos "${ALGOS// /,}"
+      rows=$(sed -n 's/^WAGMA-BENCH-RESULT //p' "$out/rank-0.out")
+      printf '{"rate":"%s","delay":"%s","shaping":"%s","rows":%s}\n' "$rate" "$delay" "$how" "$rows"
+    else
+      for algo in $ALGOS; do
+        # shellcheck disable=SC2086 # TRAIN_ARGS is a list of options
+        RANK_ENV="" on_hosts train --transport tcp --algo "$algo" --steps "$STEPS" --eval-every "$STEPS" \
+          --imbalance "$PROFILE" --time-scale "$TIME_SCALE" --dataset builtin --quiet true --out "$out/run" $TRAIN_ARGS
+        python3 - "$out/run/summary.json" "$rate" "$delay" "$how" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(json.dumps({"rate": sys.argv[2], "delay": sys.argv[3], "shaping": sys.argv[4], "algo": s["label"],
+                  "samples_per_s": round(s["samples_per_s"], 1), "wait_fraction": round(s["wait_fraction"], 3),
+                  "final_metrics": s["final_metrics"]}))
+PY
+        rm -rf "$out/run"
+      done
+    fi
   done
 done
+rm -rf "$out"

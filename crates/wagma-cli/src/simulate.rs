@@ -12,7 +12,6 @@ use wagma::imbalance::{Imbalance, Profile};
 use wagma_sim::compute::{Compute, Trace};
 use wagma_sim::{LogGp, SimResult, SimSpec, simulate};
 
-use crate::bench::TransportKind;
 use crate::plot::{self, Series};
 
 /// `wagma simulate ...`.
@@ -314,15 +313,4 @@ fn scaling(a: ScalingArgs) -> anyhow::Result<()> {
     std::fs::write(a.out.join("scaling.json"), serde_json::to_vec_pretty(&out)?)?;
     println!("results: {}", a.out.join("scaling.json").display());
     Ok(())
-}
-
-impl TransportKind {
-    /// A name for reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Mem => "mem",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Mpi => "mpi",
-        }
-    }
 }

@@ -12,7 +12,7 @@ pub mod loggp;
 pub mod study;
 
 pub use loggp::{LogGp, LogGpNetwork};
-pub use study::{SimResult, SimSpec, simulate};
+pub use study::{SimResult, SimSpec, simulate, simulate_on};
 
 /// A failure of a simulation.
 #[derive(Debug, thiserror::Error)]

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use wagma::EngineConfig;
 use wagma::algo::measure::{self, JobStats, Spec};
 use wagma::algo::{AlgoConfig, bound_wall, ideal_wall};
-use wagma::exec::virtual_time::{self, VirtualConfig};
+use wagma::exec::virtual_time::{self, NetworkModel, VirtualConfig};
 
 use crate::SimError;
 use crate::compute::Compute;
@@ -53,9 +53,16 @@ pub struct SimResult {
     pub simulation_s: f64,
 }
 
-/// Runs a simulation.
+/// Runs a simulation over the LogGP network of `spec`.
 pub fn simulate(spec: &SimSpec) -> Result<SimResult, SimError> {
     spec.network.validate().map_err(SimError::Config)?;
+    let network = Box::new(LogGpNetwork::new(spec.network, spec.ranks));
+    simulate_on(spec, network)
+}
+
+/// Runs a simulation over another network model (for example one that wraps the LogGP model to
+/// record every message); `spec.network` is ignored.
+pub fn simulate_on(spec: &SimSpec, network: Box<dyn NetworkModel>) -> Result<SimResult, SimError> {
     if spec.steps == 0 {
         return Err(SimError::Config("steps must be at least 1".into()));
     }
@@ -76,7 +83,7 @@ pub fn simulate(spec: &SimSpec) -> Result<SimResult, SimError> {
     };
     let vcfg = VirtualConfig {
         seed: spec.seed,
-        network: Box::new(LogGpNetwork::new(spec.network, spec.ranks)),
+        network,
     };
     let t0 = Instant::now();
     let stats = virtual_time::run(spec.ranks, engine, vcfg, async |c| {

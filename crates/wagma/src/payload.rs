@@ -23,15 +23,32 @@ pub mod pool {
 
     /// An empty vector with room for `len` elements.
     pub fn take(len: usize) -> Vec<f32> {
+        let mut v = take_any(len);
+        v.clear();
+        v
+    }
+
+    /// A vector of `len` elements whose values are unspecified (what a recycled buffer held,
+    /// zeros beyond), to receive into without clearing it first.
+    pub fn take_scratch(len: usize) -> Vec<f32> {
+        let mut v = take_any(len);
+        v.truncate(len);
+        v.resize(len, 0.0);
+        v
+    }
+
+    /// A recycled buffer with room for `len` elements, as it was handed back.
+    fn take_any(len: usize) -> Vec<f32> {
         if len >= MIN_ELEMENTS {
             let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(i) = pool
+            // Prefer a buffer already as long as needed: nothing to fill.
+            let fits = |v: &Vec<f32>| v.capacity() >= len && v.capacity() <= 2 * len;
+            let pick = pool
                 .iter()
-                .position(|v| v.capacity() >= len && v.capacity() <= 2 * len)
-            {
-                let mut v = pool.swap_remove(i);
-                v.clear();
-                return v;
+                .position(|v| fits(v) && v.len() >= len)
+                .or_else(|| pool.iter().position(fits));
+            if let Some(i) = pick {
+                return pool.swap_remove(i);
             }
         }
         Vec::with_capacity(len)

@@ -320,9 +320,9 @@ fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
 
 fn print_table(r: &Report) {
     println!(
-        "{} ranks over {:?}, group size {}, buffer {:.1} MiB; memcpy of the buffer: {:.2} GB/s",
+        "{} ranks over {}, group size {}, buffer {:.1} MiB; memcpy of the buffer: {:.2} GB/s",
         r.args.ranks,
-        r.args.transport,
+        r.args.transport.name(),
         r.group_size,
         r.buffer_bytes as f64 / (1 << 20) as f64,
         r.memcpy_gb_per_s

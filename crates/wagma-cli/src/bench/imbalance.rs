@@ -227,9 +227,9 @@ fn build(args: &Args, specs: &[Spec], stats: Vec<JobStats>) -> Report {
 fn print(r: &Report) {
     let a = &r.args;
     println!(
-        "{} ranks over {:?}, profile {} x {}, {} steps, model {} floats, S = {}, tau = {}",
+        "{} ranks over {}, profile {} x {}, {} steps, model {} floats, S = {}, tau = {}",
         a.ranks,
-        a.transport,
+        a.transport.name(),
         a.profile,
         a.time_scale,
         a.steps,

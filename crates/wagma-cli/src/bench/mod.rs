@@ -34,6 +34,17 @@ pub enum TransportKind {
     Mpi,
 }
 
+impl TransportKind {
+    /// A name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Mem => "mem",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Mpi => "mpi",
+        }
+    }
+}
+
 /// Benchmarks.
 #[derive(Subcommand)]
 pub enum Bench {

@@ -153,10 +153,13 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
             )));
         }
         let count = payload_bytes / 4;
-        // Reserve up front (recycled when possible) unless the announced size is huge; memory
-        // is touched only as bytes arrive.
+        // Receive into a recycled buffer unless the announced size is huge; then memory is
+        // touched only as bytes arrive.
         let mut v: Vec<f32> = if payload_bytes <= RESERVE_LIMIT {
-            crate::payload::pool::take(count)
+            // Overwritten in full below (or dropped on error): no need to clear it.
+            let mut v = crate::payload::pool::take_scratch(count);
+            exact(r, bytemuck::cast_slice_mut(&mut v))?;
+            v
         } else {
             Vec::with_capacity(CHUNK / 4)
         };

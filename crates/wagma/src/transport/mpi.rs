@@ -139,8 +139,7 @@ impl MpiTransport {
                     "payload of rank {from} does not match its header"
                 )));
             }
-            let mut v = pool::take(n);
-            v.resize(n, 0.0);
+            let mut v = pool::take_scratch(n);
             msg.matched_receive_into(&mut v[..]);
             env.data = Payload::Data(v);
         }

@@ -1,0 +1,98 @@
+//! Multi-host runs on emulated networks: `scripts/netns-sweep.sh` with four network namespaces,
+//! on tiny settings. Needs root and iproute2; elsewhere the tests say so and return.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::Mutex;
+
+/// The tests compare the namespaces before and after: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/netns-sweep.sh")
+}
+
+/// The namespaces that exist now.
+fn namespaces() -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output();
+    out.map(|o| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| l.split_whitespace().next().unwrap_or("").to_string())
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+/// True when this process may create network namespaces.
+fn can_make_namespaces() -> bool {
+    let probe = format!("wgprobe{}", std::process::id());
+    let ok = Command::new("ip")
+        .args(["netns", "add", &probe])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        let _ = Command::new("ip").args(["netns", "del", &probe]).output();
+    } else {
+        eprintln!("skipped: creating network namespaces needs root and iproute2");
+    }
+    ok
+}
+
+fn sweep(wagma: &str, extra: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new("bash");
+    cmd.arg(script())
+        .env("WAGMA", wagma)
+        .env("HOSTS", "4")
+        .env("RATES", "1gbit")
+        .env("DELAYS", "0.1ms")
+        .env("STEPS", "4")
+        .env("TIME_SCALE", "0.01");
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn training_runs_across_four_namespaces_and_they_are_removed() {
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !can_make_namespaces() {
+        return;
+    }
+    let before = namespaces();
+    let out = sweep(
+        env!("CARGO_BIN_EXE_wagma"),
+        &[("ALGOS", "wagma allreduce-sgd")],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for r in &rows {
+        assert!(r["samples_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["final_metrics"]["accuracy"].as_f64().is_some(), "{r}");
+        assert_eq!(r["rate"], "1gbit");
+    }
+    assert_eq!(namespaces(), before, "namespaces left behind");
+}
+
+#[test]
+fn a_failing_run_still_removes_its_namespaces() {
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !can_make_namespaces() {
+        return;
+    }
+    let before = namespaces();
+    let out = sweep("/bin/false", &[("ALGOS", "wagma")]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a rank failed"));
+    assert_eq!(namespaces(), before, "namespaces left behind");
+}
