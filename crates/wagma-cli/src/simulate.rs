@@ -54,8 +54,8 @@ pub struct Common {
     /// SGP's peers.
     #[arg(long, default_value_t = 1)]
     pub peers: usize,
-    /// Network parameters from `wagma simulate calibrate` (default: Cray XC50 Aries, see
-    /// `--help` of the report).
+    /// Network parameters from `wagma simulate calibrate` (default: a Cray XC50 with the Aries
+    /// interconnect; the README lists where each value comes from).
     #[arg(long)]
     pub network: Option<PathBuf>,
     /// LogGP latency L, seconds (overrides the file).

@@ -1,10 +1,7 @@
 //! The `wagma` command end to end, on tiny settings so that it cannot rot.
 
-use std::process::Command;
-
-fn wagma() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_wagma"))
-}
+mod common;
+use common::{launch_tcp_train, tmp, wagma};
 
 #[test]
 fn bench_collectives_runs_over_mem_and_tcp() {
@@ -118,12 +115,6 @@ fn bench_imbalance_refuses_bad_options() {
     }
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("wagma-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 fn ok(out: &std::process::Output) {
     assert!(
         out.status.success(),
@@ -173,28 +164,8 @@ fn train_writes_metrics_and_summary_and_honours_a_config_file() {
 #[test]
 fn launch_runs_training_over_tcp() {
     let dir = tmp("launch");
-    let out = wagma()
-        .args([
-            "launch",
-            "-n",
-            "3",
-            "--timeout",
-            "120",
-            "--",
-            "wagma",
-            "train",
-            "--transport",
-            "tcp",
-            "--steps",
-            "12",
-            "--eval-every",
-            "6",
-            "--quiet",
-            "true",
-            "--dataset",
-            "builtin",
-            "--out",
-        ])
+    let out = launch_tcp_train(3)
+        .args(["--steps", "12", "--eval-every", "6", "--out"])
         .arg(&dir)
         .output()
         .unwrap();

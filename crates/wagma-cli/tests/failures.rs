@@ -4,17 +4,13 @@
 //! `WAGMA_STRESS=N` repeats the kill test N times (for example 50) with varying victims and
 //! kill times, and prints the counts.
 
+mod common;
+use common::{stress_reps, tmp};
+
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("wagma-failures-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -120,6 +116,7 @@ struct KillOutcome {
 
 fn kill_one(rep: u64, ranks: usize, timeout_s: u64) -> KillOutcome {
     let dir = tmp(&format!("kill-{rep}"));
+    std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("out");
     let victim = 1 + (rep as usize * 5) % (ranks - 1);
     let args = train_args(
@@ -166,10 +163,7 @@ fn kill_one(rep: u64, ranks: usize, timeout_s: u64) -> KillOutcome {
 
 #[test]
 fn killing_a_tcp_rank_stops_every_survivor_with_an_error_naming_it() {
-    let reps: u64 = std::env::var("WAGMA_STRESS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2);
+    let reps = stress_reps(2);
     let ranks = 4;
     let mut total = KillOutcome::default();
     for rep in 0..reps {
@@ -185,6 +179,46 @@ fn killing_a_tcp_rank_stops_every_survivor_with_an_error_naming_it() {
     assert_eq!(total.succeeded_wrongly, 0, "{total:?}");
     assert_eq!(total.survivors_stopped, survivors, "{total:?}");
     assert_eq!(total.named_the_victim, survivors, "{total:?}");
+}
+
+#[test]
+fn a_stopped_tcp_rank_is_declared_lost_within_the_timeout() {
+    // SIGSTOP freezes the whole process, its engine thread too: its heartbeats stop and the
+    // others give up on it after the timeout.
+    let dir = tmp("stop");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("out");
+    let timeout_s = 4;
+    let args = train_args(&out, 100_000, 5, &["--timeout", &timeout_s.to_string()]);
+    let mut children = spawn_job(3, &args, &dir);
+    assert!(wait_until(Duration::from_secs(60), || evaluated(&out) >= 5));
+    let victim = 2;
+    let pid = i32::try_from(children[victim].id()).unwrap();
+    // SAFETY: kill(2) on a child of this test has no memory effects here.
+    unsafe {
+        libc::kill(pid, libc::SIGSTOP);
+    }
+    let stopped_at = Instant::now();
+    let mut survivors = children.split_off(0);
+    let mut victim_child = survivors.remove(victim);
+    let status = wait_all(&mut survivors, Duration::from_secs(timeout_s + 30));
+    let took = stopped_at.elapsed();
+    let _ = victim_child.kill();
+    let _ = victim_child.wait();
+    for (rank, s) in status.iter().enumerate() {
+        let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(s.is_some_and(|s| !s.success()), "rank {rank}: {s:?}\n{log}");
+        assert!(
+            log.contains("lost rank 2") || log.contains("waiting for peer 2"),
+            "rank {rank}:\n{log}"
+        );
+    }
+    eprintln!(
+        "survivors of a stopped rank ended after {:.1} s (timeout {timeout_s} s)",
+        took.as_secs_f64()
+    );
+    assert!(took < Duration::from_secs(timeout_s + 20), "{took:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Final accuracy and the number of ranks alive at the end.
@@ -203,6 +237,7 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     let extra = ["--elastic", "--timeout", "20"];
     // Undisturbed.
     let dir = tmp("elastic-base");
+    std::fs::create_dir_all(&dir).unwrap();
     let base_out = dir.join("out");
     let mut children = spawn_job(ranks, &train_args(&base_out, steps, 100, &extra), &dir);
     let status = wait_all(&mut children, Duration::from_secs(600));
@@ -214,6 +249,7 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     assert_eq!(alive, 8);
     // Rank 5 killed half-way.
     let dir2 = tmp("elastic-kill");
+    std::fs::create_dir_all(&dir2).unwrap();
     let out = dir2.join("out");
     let mut children = spawn_job(ranks, &train_args(&out, steps, 100, &extra), &dir2);
     assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= steps / 2));

@@ -2,14 +2,11 @@
 //! model bit for bit over threads (`mem`), local processes (`tcp`) and, when built with the
 //! `mpi` feature, `mpirun` (`mpi`).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
+use common::tmp;
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("wagma-transports-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
+use std::path::Path;
+use std::process::Command;
 
 /// `wagma train` options of the run, without the transport.
 fn train_args(out: &Path) -> Vec<String> {

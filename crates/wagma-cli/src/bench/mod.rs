@@ -16,8 +16,8 @@ use wagma::{Comm, EngineConfig, block_on};
 
 use crate::local::LocalJob;
 
-/// Set in the processes a TCP benchmark starts.
-const WORKER: &str = "WAGMA_BENCH_WORKER";
+/// Set in the processes a multi-process benchmark starts (they report to it).
+pub const WORKER: &str = "WAGMA_BENCH_WORKER";
 /// Prefix of the result line rank 0 of a TCP benchmark prints.
 pub const RESULT: &str = "WAGMA-BENCH-RESULT ";
 
@@ -68,16 +68,17 @@ pub fn run(b: Bench) -> anyhow::Result<()> {
     }
 }
 
-/// True in a process started by [`run_tcp_workers`].
-fn is_tcp_worker() -> bool {
+/// True in a process started by [`run_tcp_workers`] or [`crate::mpirun::run_and_collect`].
+fn is_worker() -> bool {
     std::env::var_os(WORKER).is_some()
 }
 
 /// Runs `task` on `ranks` ranks over `transport` and returns rank 0's result.
 ///
 /// Over TCP and MPI this command re-runs itself as the ranks (local processes, or `mpirun`);
-/// in such a rank process, and in every process of a job the user started with `mpirun` or
-/// `srun`, it runs one rank and returns `None`: rank 0 prints the result for the parent.
+/// in such a rank process it runs one rank, rank 0 prints the result for the parent, and it
+/// returns `None`. In a job the user started with `mpirun` or `srun`, rank 0 gets the result
+/// (to report it) and the other ranks `None`.
 pub fn run_job<T, F>(
     transport: TransportKind,
     ranks: usize,
@@ -92,17 +93,15 @@ where
         TransportKind::Mem => Ok(Some(
             threaded::run(ranks, cfg, task)?.into_all()?.swap_remove(0),
         )),
-        TransportKind::Tcp if is_tcp_worker() => {
+        TransportKind::Tcp if is_worker() => {
             let tcp = TcpConfig::from_env()?;
             let (c, engine) = threaded::connect_tcp(&tcp, cfg)?;
-            run_rank(c, engine, ranks, task)?;
-            Ok(None)
+            run_rank(c, engine, ranks, task)
         }
         TransportKind::Tcp => Ok(Some(run_tcp_workers(ranks)?)),
         TransportKind::Mpi if crate::mpirun::under_mpi() => {
             let (c, engine) = connect_mpi(cfg)?;
-            run_rank(c, engine, ranks, task)?;
-            Ok(None)
+            run_rank(c, engine, ranks, task)
         }
         TransportKind::Mpi => Ok(Some(crate::mpirun::run_and_collect(ranks)?)),
     }
@@ -121,13 +120,14 @@ fn connect_mpi(_cfg: EngineConfig) -> anyhow::Result<(Comm, std::thread::JoinHan
     anyhow::bail!("this wagma was built without MPI support (build it with --features mpi)")
 }
 
-/// One rank of a multi-process job: runs `task`, and rank 0 prints the result.
+/// One rank of a multi-process job: runs `task`; rank 0 prints the result for the process that
+/// started the job, or returns it when the user started the job.
 fn run_rank<T: Serialize>(
     mut c: Comm,
     engine: std::thread::JoinHandle<()>,
     ranks: usize,
     task: impl AsyncFnOnce(&mut Comm) -> Result<T, wagma::Error>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<T>> {
     if c.size() != ranks {
         anyhow::bail!(
             "the job has {} ranks but --ranks says {ranks}; pass --ranks {}",
@@ -139,10 +139,14 @@ fn run_rank<T: Serialize>(
     let out = block_on(task(&mut c))?;
     block_on(c.finish())?;
     let _ = engine.join();
-    if rank == 0 {
-        println!("{RESULT}{}", serde_json::to_string(&out)?);
+    if rank != 0 {
+        return Ok(None);
     }
-    Ok(())
+    if !is_worker() {
+        return Ok(Some(out));
+    }
+    println!("{RESULT}{}", serde_json::to_string(&out)?);
+    Ok(None)
 }
 
 /// Runs this very command as `ranks` local processes over TCP and returns what rank 0 reports.

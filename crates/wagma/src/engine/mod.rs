@@ -272,6 +272,9 @@ impl Engine {
             Request::OpenStream(cfg) => self.open_stream(now, *cfg, out).map(|()| Response::Done),
             Request::Arrive { round, data, steps } => {
                 self.iteration = self.iteration.max(steps);
+                let args = serde_json::json!({ "round": round, "steps": steps });
+                self.tracer
+                    .instant(ENGINE, "publish", "model published", now, args);
                 self.outstanding.insert(id, Op::Round(round));
                 if let Err(e) = self.arrive(now, id, round, data, steps, out) {
                     self.outstanding.remove(&id);

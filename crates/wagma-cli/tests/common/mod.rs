@@ -1,0 +1,38 @@
+//! Helpers shared by the integration tests of the `wagma` binary.
+#![allow(dead_code)] // each test file uses a different subset
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A fresh, absent directory under the system's temporary directory; unique per call because
+/// the tests of one file run concurrently and several files run at once.
+pub fn tmp(name: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("wagma-test-{name}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The `wagma` binary under test.
+pub fn wagma() -> std::process::Command {
+    std::process::Command::new(env!("CARGO_BIN_EXE_wagma"))
+}
+
+/// `wagma launch -n N -- wagma train` over TCP on the built-in dataset, without a progress bar;
+/// the caller adds the run's own options.
+pub fn launch_tcp_train(ranks: usize) -> std::process::Command {
+    let mut cmd = wagma();
+    cmd.args(["launch", "-n", &ranks.to_string(), "--timeout", "120", "--"])
+        .args(["wagma", "train", "--transport", "tcp"])
+        .args(["--dataset", "builtin", "--quiet", "true"]);
+    cmd
+}
+
+/// Repetitions of a failure-injection test: `WAGMA_STRESS=N` for a stress run, else `default`.
+pub fn stress_reps(default: u64) -> u64 {
+    std::env::var("WAGMA_STRESS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

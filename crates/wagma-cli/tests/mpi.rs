@@ -1,0 +1,167 @@
+//! Under `mpirun` (built with `--features mpi`; needs Open MPI): the collectives benchmark next
+//! to `MPI_Allreduce`, and a rank killed mid-run ending the job with a message naming it.
+//! `WAGMA_STRESS=N` repeats the kill N times.
+#![cfg(feature = "mpi")]
+
+mod common;
+use common::{stress_reps, tmp};
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn mpirun(n: usize) -> Command {
+    let mut cmd = Command::new(std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into()));
+    cmd.args(["-n", &n.to_string(), env!("CARGO_BIN_EXE_wagma")])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_btl_tcp_if_include", "lo")
+        .env("OMPI_MCA_oob_tcp_if_include", "lo");
+    cmd
+}
+
+#[test]
+fn bench_collectives_runs_next_to_mpi_allreduce() {
+    let out = mpirun(4)
+        .args([
+            "bench",
+            "collectives",
+            "--transport",
+            "mpi",
+            "--ranks",
+            "4",
+            "--elements",
+            "100000",
+            "--reps",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Started by the user's mpirun, rank 0 reports.
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    // Our six collectives, then MPI_Allreduce on the world and on a group communicator.
+    assert_eq!(rows.len(), 8, "{v}");
+    assert_eq!(rows[6]["collective"], "MPI_Allreduce");
+    assert_eq!(rows[7]["members"], 2);
+    assert!(
+        rows.iter().all(|r| r["median_s"].as_f64().unwrap() > 0.0),
+        "{v}"
+    );
+}
+
+/// The process of MPI rank `rank` whose command line mentions `marker`.
+fn find_rank(marker: &Path, rank: usize) -> Option<i32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains(&*marker.to_string_lossy()) {
+            continue;
+        }
+        let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn kill_one(rep: u64) -> (bool, bool, Duration) {
+    let out = tmp(&format!("kill-{rep}"));
+    let victim = 1 + (rep as usize % 3);
+    let mut job: Child = mpirun(4)
+        .args([
+            "train",
+            "--transport",
+            "mpi",
+            "--steps",
+            "100000",
+            "--eval-every",
+            "5",
+            "--timeout",
+            "5",
+            "--dataset",
+            "builtin",
+            "--quiet",
+            "true",
+            "--out",
+        ])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let started = loop {
+        let evaluated =
+            std::fs::read_to_string(out.join("metrics.jsonl.partial")).is_ok_and(|m| !m.is_empty());
+        if evaluated || t0.elapsed() > Duration::from_secs(120) {
+            break evaluated;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(started, "the job did not start training");
+    std::thread::sleep(Duration::from_millis((rep * 53) % 400));
+    let pid = find_rank(&out, victim).expect("the victim's process");
+    // SAFETY: kill(2) on a process of this test's job has no memory effects here.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let killed = Instant::now();
+    let mut stopped = false;
+    while killed.elapsed() < Duration::from_secs(5 + 30) {
+        if job.try_wait().unwrap().is_some() {
+            stopped = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let took = killed.elapsed();
+    if !stopped {
+        let _ = job.kill();
+    }
+    let o = job.wait_with_output().unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let named = all.contains(&format!("rank {victim}"));
+    if !named {
+        eprintln!("rep {rep}: the output does not name rank {victim}:\n{all}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    (stopped && !o.status.success(), named, took)
+}
+
+#[test]
+fn killing_an_mpi_rank_ends_the_job_naming_it() {
+    let reps = stress_reps(1);
+    let (mut ended, mut named) = (0, 0);
+    for rep in 0..reps {
+        let (e, n, took) = kill_one(rep);
+        eprintln!(
+            "rep {rep}: ended {e}, named {n}, after {:.1} s",
+            took.as_secs_f64()
+        );
+        ended += usize::from(e);
+        named += usize::from(n);
+    }
+    eprintln!(
+        "{reps} kills of one of 4 MPI ranks: {ended} ended with an error, {named} named the rank"
+    );
+    assert_eq!(ended, reps as usize);
+    assert_eq!(named, reps as usize);
+}
