@@ -8,7 +8,8 @@
 #     combination and algorithm: {"rate", "delay", "shaping", "algo", "samples_per_s",
 #     "wait_fraction", "final_metrics"}.
 #   MODE=bench: `wagma bench imbalance` (every algorithm on the same compute draws, a model of
-#     MODEL floats); prints one JSON line per combination: {"rate", "delay", "shaping", "rows"}.
+#     MODEL floats); prints one JSON line per combination: {"rate", "delay", "shaping", "rows":
+#     [{"algo", "samples_per_s", "vs_allreduce", "wait_fraction"}]}.
 #
 # Needs root and iproute2. The namespaces, veths and bridge are removed on exit, also on
 # failure or interruption.
@@ -99,10 +100,17 @@ for rate in $RATES; do
   for delay in $DELAYS; do
     how=$(shape "$rate" "$delay")
     if [ "$MODE" = bench ]; then
-      RANK_ENV="WAGMA_BENCH_WORKER=1" on_hosts bench imbalance --transport tcp --ranks "$HOSTS" --steps "$STEPS" \
+      # Rank 0 of a job started by its own launcher (here: this script) prints the report.
+      RANK_ENV="" on_hosts bench imbalance --json --transport tcp --ranks "$HOSTS" --steps "$STEPS" \
         --model-params "$MODEL" --profile "$PROFILE" --time-scale "$TIME_SCALE" --algos "${ALGOS// /,}"
-      rows=$(sed -n 's/^WAGMA-BENCH-RESULT //p' "$out/rank-0.out")
-      printf '{"rate":"%s","delay":"%s","shaping":"%s","rows":%s}\n' "$rate" "$delay" "$how" "$rows"
+      python3 - "$out/rank-0.out" "$rate" "$delay" "$how" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+rows = [{"algo": x["algorithm"], "samples_per_s": round(x["samples_per_s"], 1),
+         "vs_allreduce": x["vs_allreduce"] and round(x["vs_allreduce"], 3),
+         "wait_fraction": round(x["wait_fraction"], 3)} for x in r["rows"]]
+print(json.dumps({"rate": sys.argv[2], "delay": sys.argv[3], "shaping": sys.argv[4], "rows": rows}))
+PY
     else
       for algo in $ALGOS; do
         # shellcheck disable=SC2086 # TRAIN_ARGS is a list of options

@@ -33,6 +33,7 @@ pub fn run_and_collect<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
     cmd.args(["-n", &ranks.to_string()])
         .arg(exe)
         .args(argv)
+        .env(crate::bench::WORKER, "1")
         .stdout(Stdio::piped());
     for (k, v) in LOCAL_OPEN_MPI {
         if std::env::var_os(k).is_none() {

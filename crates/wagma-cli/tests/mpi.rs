@@ -4,7 +4,7 @@
 #![cfg(feature = "mpi")]
 
 mod common;
-use common::{stress_reps, tmp};
+use common::{bench_collectives_rows, stress_reps, tmp, wagma};
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -23,40 +23,15 @@ fn mpirun(n: usize) -> Command {
 
 #[test]
 fn bench_collectives_runs_next_to_mpi_allreduce() {
-    let out = mpirun(4)
-        .args([
-            "bench",
-            "collectives",
-            "--transport",
-            "mpi",
-            "--ranks",
-            "4",
-            "--elements",
-            "100000",
-            "--reps",
-            "3",
-            "--warmup",
-            "1",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // Started by the user's mpirun, rank 0 reports.
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = v["rows"].as_array().unwrap();
-    // Our six collectives, then MPI_Allreduce on the world and on a group communicator.
-    assert_eq!(rows.len(), 8, "{v}");
-    assert_eq!(rows[6]["collective"], "MPI_Allreduce");
-    assert_eq!(rows[7]["members"], 2);
-    assert!(
-        rows.iter().all(|r| r["median_s"].as_f64().unwrap() > 0.0),
-        "{v}"
-    );
+    // Started by the user's mpirun (rank 0 reports), and by wagma itself (it runs mpirun and
+    // collects rank 0's result).
+    for cmd in [mpirun(4), wagma()] {
+        let rows = bench_collectives_rows(cmd, "mpi", 4);
+        // Our six collectives, then MPI_Allreduce on the world and on a group communicator.
+        assert_eq!(rows.len(), 8, "{rows:?}");
+        assert_eq!(rows[6]["collective"], "MPI_Allreduce");
+        assert_eq!(rows[7]["members"], 2);
+    }
 }
 
 /// The process of MPI rank `rank` whose command line mentions `marker`.

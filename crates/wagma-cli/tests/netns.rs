@@ -96,3 +96,35 @@ fn a_failing_run_still_removes_its_namespaces() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("a rank failed"));
     assert_eq!(namespaces(), before, "namespaces left behind");
 }
+
+#[test]
+fn the_benchmark_runs_one_job_across_four_namespaces() {
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !can_make_namespaces() {
+        return;
+    }
+    let out = sweep(
+        env!("CARGO_BIN_EXE_wagma"),
+        &[
+            ("MODE", "bench"),
+            ("MODEL", "1000"),
+            ("ALGOS", "wagma allreduce-sgd"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One line for the one rate and delay, with one named row per algorithm.
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{stdout}");
+    let rows = lines[0]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert_eq!(rows[0]["algo"], "wagma tau=10", "{stdout}");
+    assert_eq!(rows[1]["vs_allreduce"], 1.0, "{stdout}");
+}

@@ -73,12 +73,23 @@ fn is_worker() -> bool {
     std::env::var_os(WORKER).is_some()
 }
 
+/// True when a launcher (`wagma launch`, a script, srun, torchrun, mpirun) started this process
+/// as one rank of a job: it must join that job rather than start its own ranks. Conflicting
+/// launcher variables also count, so that joining reports them.
+fn started_as_rank() -> bool {
+    !matches!(
+        wagma::transport::discover::discover(&|k: &str| std::env::var(k).ok()),
+        Ok(None)
+    )
+}
+
 /// Runs `task` on `ranks` ranks over `transport` and returns rank 0's result.
 ///
 /// Over TCP and MPI this command re-runs itself as the ranks (local processes, or `mpirun`);
 /// in such a rank process it runs one rank, rank 0 prints the result for the parent, and it
-/// returns `None`. In a job the user started with `mpirun` or `srun`, rank 0 gets the result
-/// (to report it) and the other ranks `None`.
+/// returns `None`. In a job the user started (`wagma launch`, `mpirun`, `srun`, a script
+/// setting the rendezvous variables), rank 0 gets the result (to report it) and the other
+/// ranks `None`.
 pub fn run_job<T, F>(
     transport: TransportKind,
     ranks: usize,
@@ -93,7 +104,7 @@ where
         TransportKind::Mem => Ok(Some(
             threaded::run(ranks, cfg, task)?.into_all()?.swap_remove(0),
         )),
-        TransportKind::Tcp if is_worker() => {
+        TransportKind::Tcp if is_worker() || started_as_rank() => {
             let tcp = TcpConfig::from_env()?;
             let (c, engine) = threaded::connect_tcp(&tcp, cfg)?;
             run_rank(c, engine, ranks, task)

@@ -36,3 +36,30 @@ pub fn stress_reps(default: u64) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// Runs `cmd` (a `wagma`, or an `mpirun ... wagma`) with a small `bench collectives --json` over
+/// `transport` on `ranks` ranks, checks that it succeeded, and returns the report's rows.
+pub fn bench_collectives_rows(
+    mut cmd: std::process::Command,
+    transport: &str,
+    ranks: usize,
+) -> Vec<serde_json::Value> {
+    let out = cmd
+        .args(["bench", "collectives", "--transport", transport])
+        .args(["--ranks", &ranks.to_string(), "--elements", "1000"])
+        .args(["--reps", "2", "--warmup", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap().clone();
+    assert!(
+        rows.iter().all(|r| r["median_s"].as_f64().unwrap() > 0.0),
+        "{v}"
+    );
+    rows
+}
