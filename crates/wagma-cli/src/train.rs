@@ -274,6 +274,20 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
         }
         (Some(t), _) => bail!("invalid transport {t:?} (mem, tcp or mpi)"),
     };
+    if matches!(c.execution, Execution::Tcp | Execution::Mpi) {
+        // One process per rank: the launcher says how many (what `--epochs` divides by).
+        if let Some(d) = wagma::transport::discover::discover(&|k: &str| std::env::var(k).ok())? {
+            if a.ranks.is_some_and(|r| r != d.world) {
+                bail!(
+                    "--ranks {} contradicts the launcher ({} says {} ranks)",
+                    c.ranks,
+                    d.source,
+                    d.world
+                );
+            }
+            c.ranks = d.world;
+        }
+    }
     c.dataset = match (&a.data, a.dataset.as_deref()) {
         (Some(d), None) => Dataset::Idx(d.clone()),
         (Some(_), Some(_)) => bail!("--data and --dataset exclude each other"),
@@ -382,8 +396,12 @@ pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summa
             if let Some(e) = epochs {
                 c.steps = epochs_to_steps(e, train.len(), batch, c.ranks)?;
             }
+            let held_out = test.len();
             let w = ImageWorkload::new(train, test, batch, 16);
-            let data = format!("{name}: {} training and held-out samples", w.train_len());
+            let data = format!(
+                "{name}: {} training samples, {held_out} held out",
+                w.train_len()
+            );
             go(&w, c, data, "accuracy")?
         }
         WorkloadKind::Translate => {

@@ -338,3 +338,14 @@ fn bench_paper_smoke_writes_results_plots_and_report() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_rank_count_that_contradicts_the_launcher_is_refused() {
+    let out = launch_tcp_train(2)
+        .args(["--ranks", "3", "--steps", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--ranks 3 contradicts the launcher"), "{err}");
+}
