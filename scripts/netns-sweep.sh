@@ -75,13 +75,13 @@ shape() { # rate delay -> prints the shaping actually applied
   echo "$how"
 }
 
-# Runs `wagma ARGS...` as one rank per host (extra environment in RANK_ENV); the ranks'
+# Runs `wagma ARGS...` as one rank per host; the ranks'
 # outputs land in $out/rank-N.{out,err}. Fails, printing the ranks' errors, if one fails.
 on_hosts() {
   local port=$(( 20000 + ($$ % 20000) + RANDOM % 1000 ))
   local pids=()
   for i in $(seq 0 $((HOSTS - 1))); do
-    ip netns exec "${TAG}n$i" env $RANK_ENV WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
+    ip netns exec "${TAG}n$i" env WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
       WAGMA_RENDEZVOUS="$NET.1:$port" WAGMA_BIND="$NET.$((i + 1))" WAGMA_JOB_ID="$TAG" WAGMA_SECRET="$TAG-secret" \
       "$WAGMA" "$@" > "$out/rank-$i.out" 2> "$out/rank-$i.err" &
     pids+=($!)
@@ -101,7 +101,7 @@ for rate in $RATES; do
     how=$(shape "$rate" "$delay")
     if [ "$MODE" = bench ]; then
       # Rank 0 of a job started by its own launcher (here: this script) prints the report.
-      RANK_ENV="" on_hosts bench imbalance --json --transport tcp --ranks "$HOSTS" --steps "$STEPS" \
+      on_hosts bench imbalance --json --transport tcp --ranks "$HOSTS" --steps "$STEPS" \
         --model-params "$MODEL" --profile "$PROFILE" --time-scale "$TIME_SCALE" --algos "${ALGOS// /,}"
       python3 - "$out/rank-0.out" "$rate" "$delay" "$how" <<'PY'
 import json, sys
@@ -114,7 +114,7 @@ PY
     else
       for algo in $ALGOS; do
         # shellcheck disable=SC2086 # TRAIN_ARGS is a list of options
-        RANK_ENV="" on_hosts train --transport tcp --algo "$algo" --steps "$STEPS" --eval-every "$STEPS" \
+        on_hosts train --transport tcp --algo "$algo" --steps "$STEPS" --eval-every "$STEPS" \
           --imbalance "$PROFILE" --time-scale "$TIME_SCALE" --dataset builtin --quiet true --out "$out/run" $TRAIN_ARGS
         python3 - "$out/run/summary.json" "$rate" "$delay" "$how" <<'PY'
 import json, sys

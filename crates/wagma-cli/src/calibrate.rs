@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
@@ -12,10 +11,9 @@ use serde::{Deserialize, Serialize};
 use wagma::imbalance::Profile;
 use wagma::schedule::AllreduceAlgorithm;
 use wagma::topology::default_group_size;
-use wagma::{Comm, EngineConfig, Payload};
+use wagma::{Comm, Payload};
 use wagma_sim::calibrate::{Collective, Measurement, fit, simulated, time_collective};
-use wagma_sim::compute::Compute;
-use wagma_sim::{LogGp, SimSpec, simulate};
+use wagma_sim::{LogGp, simulate};
 
 use crate::bench::{self, TransportKind, median};
 
@@ -74,14 +72,9 @@ async fn measure(c: &mut Comm, a: &Args) -> Result<Vec<Measurement>, wagma::Erro
             for rep in 0..a.reps + 1 {
                 seq += 1;
                 let dt = time_collective(c, case, s, Payload::Data(vec![1.0; n]), seq).await?;
-                // The slowest rank's time.
-                let mut all = vec![0f32; p];
-                all[c.rank()] = dt as f32;
-                let all = c.allreduce(Payload::Data(all)).await?;
+                let slowest = bench::slowest(c, dt).await?;
                 if rep > 0 {
-                    times.push(f64::from(
-                        all.as_slice().iter().copied().fold(0.0f32, f32::max),
-                    ));
+                    times.push(slowest);
                 }
             }
             out.push(Measurement {
@@ -96,13 +89,6 @@ async fn measure(c: &mut Comm, a: &Args) -> Result<Vec<Measurement>, wagma::Erro
     Ok(out)
 }
 
-fn engine() -> EngineConfig {
-    EngineConfig {
-        timeout: Duration::from_secs(600),
-        ..EngineConfig::default()
-    }
-}
-
 /// Runs `wagma simulate calibrate` (or, in a process it started, one TCP rank).
 pub fn calibrate(a: Args) -> anyhow::Result<()> {
     if a.ranks < 2 {
@@ -111,9 +97,12 @@ pub fn calibrate(a: Args) -> anyhow::Result<()> {
     if a.sizes.is_empty() || a.reps == 0 {
         bail!("--sizes and --reps must not be empty");
     }
-    let Some(ms) = bench::run_job(a.transport, a.ranks, engine(), async |c: &mut Comm| {
-        measure(c, &a).await
-    })?
+    let Some(ms) = bench::run_job(
+        a.transport,
+        a.ranks,
+        bench::engine_config(),
+        async |c: &mut Comm| measure(c, &a).await,
+    )?
     else {
         return Ok(());
     };
@@ -303,35 +292,29 @@ pub fn validate(a: ValidateArgs) -> anyhow::Result<()> {
             }
             let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
             let measured = report["rows"].as_array().context("no rows")?;
+            // The benchmark's own settings (its defaults for what validate does not set).
+            let setting = |k: &str| {
+                report["args"][k]
+                    .as_u64()
+                    .with_context(|| format!("the benchmark report has no {k}"))
+            };
             let common = crate::simulate::Common {
                 model_params: a.model_params,
                 profile: a.profile,
                 time_scale: a.time_scale,
                 trace: None,
                 steps: a.steps,
-                batch: 32,
-                tau: 10,
-                peers: 1,
+                batch: setting("batch")? as usize,
+                tau: setting("tau")?,
+                peers: setting("peers")? as usize,
                 network: None,
                 latency: None,
                 bandwidth: None,
                 seed: a.seed,
             };
+            let compute = common.compute()?;
             for (name, row) in a.algos.iter().zip(measured) {
-                let spec = SimSpec {
-                    ranks: p,
-                    algo: common.algo(name, p)?,
-                    steps: a.steps,
-                    model_params: a.model_params,
-                    batch: 32,
-                    compute: Compute::Profile(wagma::imbalance::Imbalance {
-                        profile: a.profile,
-                        time_scale: a.time_scale,
-                        seed: a.seed,
-                    }),
-                    network: cal.network,
-                    seed: a.seed,
-                };
+                let spec = common.spec(name, p, cal.network, &compute)?;
                 let sim = simulate(&spec)?;
                 let m = row["samples_per_s"].as_f64().unwrap_or(f64::NAN);
                 rows.push(Comparison {

@@ -1,7 +1,6 @@
 //! Running under MPI: detecting it, starting `mpirun` for a local run, and the `MPI_Allreduce`
 //! baselines of `wagma bench collectives --transport mpi`.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, bail};
@@ -44,16 +43,12 @@ pub fn run_and_collect<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
         .spawn()
         .context("starting mpirun (install openmpi-bin, or set MPIRUN)")?;
     let out = child.stdout.take().context("mpirun has no stdout")?;
-    let line = BufReader::new(out)
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| l.strip_prefix(crate::bench::RESULT).map(str::to_string));
+    let result = crate::bench::read_result(out);
     let status = child.wait()?;
     if !status.success() {
         bail!("mpirun failed ({status})");
     }
-    let line = line.context("rank 0 printed no result")?;
-    Ok(serde_json::from_str(&line)?)
+    result
 }
 
 /// Median seconds (slowest rank) of `MPI_Allreduce` of `n` f32 on the world communicator and

@@ -129,7 +129,7 @@ fn draw_lines<DB: DrawingBackend>(
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(x0.min(0.0).max(x0)..x1, y0..y1)
+        .build_cartesian_2d(x0..x1, y0..y1)
         .map_err(err)?;
     chart
         .configure_mesh()

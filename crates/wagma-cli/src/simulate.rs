@@ -143,7 +143,15 @@ impl Common {
         Ok(c)
     }
 
-    fn spec(&self, name: &str, ranks: usize) -> anyhow::Result<SimSpec> {
+    /// The simulation of `name` on `ranks` ranks over `network` with `compute` (both resolved
+    /// once by the caller: they may come from files).
+    pub fn spec(
+        &self,
+        name: &str,
+        ranks: usize,
+        network: LogGp,
+        compute: &Compute,
+    ) -> anyhow::Result<SimSpec> {
         if self.steps == 0 {
             bail!("--steps must be at least 1");
         }
@@ -153,8 +161,8 @@ impl Common {
             steps: self.steps,
             model_params: self.model_params,
             batch: self.batch,
-            compute: self.compute()?,
-            network: self.network()?,
+            compute: compute.clone(),
+            network,
             seed: self.seed,
         })
     }
@@ -196,7 +204,8 @@ pub struct ScalingArgs {
 pub fn run(s: Simulate) -> anyhow::Result<()> {
     match s {
         Simulate::Run(a) => {
-            let r = simulate(&a.common.spec(&a.algo, a.ranks)?)?;
+            let (network, compute) = (a.common.network()?, a.common.compute()?);
+            let r = simulate(&a.common.spec(&a.algo, a.ranks, network, &compute)?)?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -260,11 +269,12 @@ fn scaling(a: ScalingArgs) -> anyhow::Result<()> {
         bail!("--ranks needs positive rank counts");
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let (network, compute) = (a.common.network()?, a.common.compute()?);
     let mut results = Vec::new();
     for &p in &a.ranks {
         for n in &names {
             eprint!("{n} on {p} ranks ... ");
-            let r = simulate(&a.common.spec(n, p)?)?;
+            let r = simulate(&a.common.spec(n, p, network, &compute)?)?;
             eprintln!(
                 "{:.1} samples/s (simulated in {:.1} s)",
                 r.samples_per_s, r.simulation_s
@@ -306,7 +316,7 @@ fn scaling(a: ScalingArgs) -> anyhow::Result<()> {
         eprintln!("no plot: {e}");
     }
     let out = ScalingResults {
-        network: a.common.network()?,
+        network,
         args: a.clone(),
         results,
     };

@@ -274,9 +274,9 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
         }
         (Some(t), _) => bail!("invalid transport {t:?} (mem, tcp or mpi)"),
     };
-    if matches!(c.execution, Execution::Tcp | Execution::Mpi) {
+    if c.execution.is_multi_process() {
         // One process per rank: the launcher says how many (what `--epochs` divides by).
-        if let Some(d) = wagma::transport::discover::discover(&|k: &str| std::env::var(k).ok())? {
+        if let Some(d) = wagma::transport::discover::discover_env()? {
             if a.ranks.is_some_and(|r| r != d.world) {
                 bail!(
                     "--ranks {} contradicts the launcher ({} says {} ranks)",
@@ -402,7 +402,7 @@ pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summa
                 "{name}: {} training samples, {held_out} held out",
                 w.train_len()
             );
-            go(&w, c, data, "accuracy")?
+            go(&w, c, data)?
         }
         WorkloadKind::Translate => {
             let batch = c.batch.unwrap_or(32);
@@ -411,7 +411,7 @@ pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summa
                 c.steps = epochs_to_steps(e, w.train_len(), batch, c.ranks)?;
             }
             let data = w.describe();
-            go(&w, c, data, "bleu")?
+            go(&w, c, data)?
         }
         WorkloadKind::Navigate => {
             if epochs.is_some() {
@@ -423,7 +423,7 @@ pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summa
             };
             let w = NavigateWorkload::new(NavConfig::default(), ppo, 64);
             let data = w.describe();
-            go(&w, c, data, "spl")?
+            go(&w, c, data)?
         }
     })
 }
@@ -448,9 +448,8 @@ fn go<W: wagma_train::workloads::Workload>(
     w: &W,
     c: &TrainConfig,
     data: String,
-    primary: &'static str,
 ) -> anyhow::Result<Summary> {
-    let obs = observer(c, primary);
+    let obs = observer(c, primary_metric(c.workload));
     if c.progress {
         eprintln!(
             "training {} with {} on {} ranks ({data}); outputs in {}",

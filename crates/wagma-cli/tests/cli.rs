@@ -1,7 +1,7 @@
 //! The `wagma` command end to end, on tiny settings so that it cannot rot.
 
 mod common;
-use common::{bench_collectives_rows, launch_tcp_train, tmp, wagma};
+use common::{bench_collectives_rows, launch_tcp_train, ok, tmp, wagma};
 
 #[test]
 fn bench_collectives_runs_over_mem_and_tcp() {
@@ -88,15 +88,6 @@ fn bench_imbalance_refuses_bad_options() {
         assert!(!out.status.success(), "{args:?} was accepted");
         assert!(!out.stderr.is_empty());
     }
-}
-
-fn ok(out: &std::process::Output) {
-    assert!(
-        out.status.success(),
-        "stdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

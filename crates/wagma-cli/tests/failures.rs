@@ -5,11 +5,11 @@
 //! kill times, and prints the counts.
 
 mod common;
-use common::{stress_reps, tmp};
+use common::{stress_reps, tmp, wagma};
 
 use std::fs::File;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 fn free_port() -> u16 {
@@ -25,7 +25,7 @@ fn spawn_job(n: usize, args: &[String], dir: &Path) -> Vec<Child> {
     let rdv = format!("127.0.0.1:{}", free_port());
     (0..n)
         .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_wagma"))
+            wagma()
                 .args(args)
                 .env("WAGMA_RANK", rank.to_string())
                 .env("WAGMA_WORLD_SIZE", n.to_string())

@@ -4,22 +4,11 @@
 #![cfg(feature = "mpi")]
 
 mod common;
-use common::{bench_collectives_rows, stress_reps, tmp, wagma};
+use common::{bench_collectives_rows, mpirun, stress_reps, tmp, wagma};
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
-
-fn mpirun(n: usize) -> Command {
-    let mut cmd = Command::new(std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into()));
-    cmd.args(["-n", &n.to_string(), env!("CARGO_BIN_EXE_wagma")])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_tcp_if_include", "lo")
-        .env("OMPI_MCA_oob_tcp_if_include", "lo");
-    cmd
-}
 
 #[test]
 fn bench_collectives_runs_next_to_mpi_allreduce() {

@@ -3,7 +3,9 @@
 //! `mpi` feature, `mpirun` (`mpi`).
 
 mod common;
-use common::tmp;
+#[cfg(feature = "mpi")]
+use common::mpirun;
+use common::{ok, tmp, wagma};
 
 use std::path::Path;
 use std::process::Command;
@@ -40,13 +42,7 @@ fn train_args(out: &Path) -> Vec<String> {
 }
 
 fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&cmd.output().unwrap());
 }
 
 fn model(out: &Path) -> Vec<u8> {
@@ -57,7 +53,7 @@ fn over_mem(ranks: usize) -> Vec<u8> {
     let out = tmp("mem");
     let mut args = train_args(&out);
     args.extend(["--ranks".into(), ranks.to_string()]);
-    run(Command::new(env!("CARGO_BIN_EXE_wagma")).args(&args));
+    run(wagma().args(&args));
     let m = model(&out);
     let _ = std::fs::remove_dir_all(&out);
     m
@@ -74,7 +70,7 @@ fn lockstep_training_gives_identical_models_over_mem_and_tcp() {
         .collect();
     args.extend(train_args(&out));
     args.extend(["--transport".into(), "tcp".into()]);
-    run(Command::new(env!("CARGO_BIN_EXE_wagma")).args(&args));
+    run(wagma().args(&args));
     let tcp = model(&out);
     let _ = std::fs::remove_dir_all(&out);
     assert!(!mem.is_empty());
@@ -87,15 +83,8 @@ fn lockstep_training_gives_identical_models_over_mem_and_mpi() {
     let ranks = 4;
     let mem = over_mem(ranks);
     let out = tmp("mpi");
-    let mut cmd = Command::new(std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into()));
-    cmd.args(["-n", "4", env!("CARGO_BIN_EXE_wagma")])
-        .args(train_args(&out))
-        .args(["--transport", "mpi"])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_tcp_if_include", "lo")
-        .env("OMPI_MCA_oob_tcp_if_include", "lo");
+    let mut cmd = mpirun(4);
+    cmd.args(train_args(&out)).args(["--transport", "mpi"]);
     run(&mut cmd);
     let mpi = model(&out);
     let _ = std::fs::remove_dir_all(&out);

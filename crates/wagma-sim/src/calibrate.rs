@@ -4,13 +4,11 @@
 //! all measurements gives L and G. What the real transport spends on reductions, copies and
 //! scheduling ends up in G and L, which is what the simulator needs to predict throughput.
 
-use std::time::Duration;
-
 use serde::{Deserialize, Serialize};
 use wagma::exec::virtual_time::{self, VirtualConfig};
 use wagma::schedule::{AlgorithmChoice, AllreduceAlgorithm};
 use wagma::topology::{Grouping, GroupingKind, ring_neighbors};
-use wagma::{Comm, EngineConfig, Payload};
+use wagma::{Comm, Payload};
 
 use crate::SimError;
 use crate::loggp::{LogGp, LogGpNetwork};
@@ -81,11 +79,7 @@ pub fn simulated(m: &Measurement, network: LogGp) -> Result<f64, SimError> {
         seed: 1,
         network: Box::new(LogGpNetwork::new(network, m.ranks)),
     };
-    let engine = EngineConfig {
-        timeout: Duration::from_secs(1 << 40),
-        ..EngineConfig::default()
-    };
-    let times = virtual_time::run(m.ranks, engine, vcfg, async |c| {
+    let times = virtual_time::run(m.ranks, crate::virtual_engine(), vcfg, async |c| {
         time_collective(
             c,
             m.collective,

@@ -35,3 +35,12 @@ pub enum SimError {
         message: String,
     },
 }
+
+/// Engine settings in virtual time: a hang shows as a deadlock long before any timeout, so
+/// the timeout is effectively off.
+pub(crate) fn virtual_engine() -> wagma::EngineConfig {
+    wagma::EngineConfig {
+        timeout: std::time::Duration::from_secs(1 << 40),
+        ..wagma::EngineConfig::default()
+    }
+}

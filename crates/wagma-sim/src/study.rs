@@ -1,10 +1,9 @@
 //! One simulated job, and its ideal and bound.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use wagma::EngineConfig;
 use wagma::algo::measure::{self, JobStats, Spec};
 use wagma::algo::{AlgoConfig, bound_wall, ideal_wall};
 use wagma::exec::virtual_time::{self, NetworkModel, VirtualConfig};
@@ -76,17 +75,12 @@ pub fn simulate_on(spec: &SimSpec, network: Box<dyn NetworkModel>) -> Result<Sim
         draws: Arc::clone(&draws),
         real_data: false,
     };
-    let engine = EngineConfig {
-        // Virtual time: a hang shows as a deadlock long before this.
-        timeout: Duration::from_secs(1 << 40),
-        ..EngineConfig::default()
-    };
     let vcfg = VirtualConfig {
         seed: spec.seed,
         network,
     };
     let t0 = Instant::now();
-    let stats = virtual_time::run(spec.ranks, engine, vcfg, async |c| {
+    let stats = virtual_time::run(spec.ranks, crate::virtual_engine(), vcfg, async |c| {
         measure::run(c, &m).await
     })?
     .into_all()?

@@ -63,24 +63,18 @@ impl NetworkModel for RecordingNetwork {
     }
 }
 
+/// Every algorithm with its defaults, WAGMA with group size `s` and tau 3.
 fn algorithms(s: usize) -> Vec<Algorithm> {
-    [
-        "allreduce-sgd",
-        "local-sgd",
-        "d-psgd",
-        "ad-psgd",
-        "sgp",
-        "eager-sgd-solo",
-        "eager-sgd-majority",
-    ]
-    .iter()
-    .map(|n| Algorithm::from_name(n).unwrap())
-    .chain([Algorithm::Wagma(WagmaOptions {
-        group_size: Some(s),
-        tau: Some(3),
-        ..WagmaOptions::default()
-    })])
-    .collect()
+    Algorithm::NAMES
+        .iter()
+        .filter(|&&n| n != "wagma")
+        .map(|n| Algorithm::from_name(n).unwrap())
+        .chain([Algorithm::Wagma(WagmaOptions {
+            group_size: Some(s),
+            tau: Some(3),
+            ..WagmaOptions::default()
+        })])
+        .collect()
 }
 
 fn imbalance(seed: u64) -> Imbalance {

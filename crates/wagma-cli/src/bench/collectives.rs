@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use wagma::engine::{ContributionMode, ReadMode, Trigger};
 use wagma::schedule::{self, AlgorithmChoice, AllreduceAlgorithm};
 use wagma::topology::{Grouping, GroupingKind, default_group_size, ring_neighbors};
-use wagma::{Comm, EngineConfig, Payload, StreamConfig};
+use wagma::{Comm, Payload, StreamConfig};
 
 use super::{TransportKind, median};
 
@@ -130,7 +130,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let Some(times) = super::run_job(
         args.transport,
         args.ranks,
-        engine_config(),
+        super::engine_config(),
         async move |c: &mut Comm| {
             let mut times = measure(c, &a, s).await?;
             if mpi {
@@ -150,13 +150,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print_table(&report);
     }
     Ok(())
-}
-
-fn engine_config() -> EngineConfig {
-    EngineConfig {
-        timeout: std::time::Duration::from_secs(600),
-        ..EngineConfig::default()
-    }
 }
 
 fn memcpy_gb_per_s(n: usize, reps: usize) -> f64 {
@@ -237,11 +230,9 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma:
             let dt = dt.as_secs_f64();
             // Keep values bounded without timing it.
             data.scale(1.0 / p as f32);
-            let mut all = vec![0.0f32; p];
-            all[rank] = dt as f32;
-            let all = c.allreduce(Payload::Data(all)).await?;
+            let slowest = super::slowest(c, dt).await?;
             if rep >= args.warmup {
-                times.push(all.as_slice().iter().copied().fold(0.0f32, f32::max) as f64);
+                times.push(slowest);
             }
         }
         medians.push(median(&mut times));

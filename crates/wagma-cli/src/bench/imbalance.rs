@@ -4,17 +4,16 @@
 //! on the same draws with free communication).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::bail;
 use clap::Args as ClapArgs;
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
+use wagma::Comm;
 use wagma::algo::measure::{self, JobStats, Spec};
 use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions, bound_wall, ideal_wall};
 use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::default_group_size;
-use wagma::{Comm, EngineConfig};
 
 use super::TransportKind;
 
@@ -145,13 +144,6 @@ fn specs(args: &Args) -> anyhow::Result<Vec<Spec>> {
         .collect())
 }
 
-fn engine_config() -> EngineConfig {
-    EngineConfig {
-        timeout: Duration::from_secs(600),
-        ..EngineConfig::default()
-    }
-}
-
 async fn run_all(c: &mut Comm, specs: &[Spec]) -> Result<Vec<JobStats>, wagma::Error> {
     let mut out = Vec::with_capacity(specs.len());
     for s in specs {
@@ -175,7 +167,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let Some(stats) = super::run_job(
         args.transport,
         args.ranks,
-        engine_config(),
+        super::engine_config(),
         async |c: &mut Comm| run_all(c, &specs).await,
     )?
     else {

@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use wagma::exec::threaded;
 use wagma::transport::tcp::TcpConfig;
-use wagma::{Comm, EngineConfig, block_on};
+use wagma::{Comm, EngineConfig, Payload, block_on};
 
 use crate::local::LocalJob;
 
@@ -73,14 +73,29 @@ fn is_worker() -> bool {
     std::env::var_os(WORKER).is_some()
 }
 
-/// True when a launcher (`wagma launch`, a script, srun, torchrun, mpirun) started this process
-/// as one rank of a job: it must join that job rather than start its own ranks. Conflicting
-/// launcher variables also count, so that joining reports them.
-fn started_as_rank() -> bool {
-    !matches!(
-        wagma::transport::discover::discover(&|k: &str| std::env::var(k).ok()),
-        Ok(None)
-    )
+/// True when a launcher (`wagma launch`, this command's own worker start, a script, srun,
+/// torchrun, mpirun) started this process as one rank of a job: it must join that job rather
+/// than start its own ranks. Conflicting launcher variables are an error.
+fn started_as_rank() -> anyhow::Result<bool> {
+    Ok(wagma::transport::discover::discover_env()?.is_some())
+}
+
+/// Engine settings of the benchmarks: a generous timeout, for slow shared machines.
+pub fn engine_config() -> EngineConfig {
+    EngineConfig {
+        timeout: std::time::Duration::from_secs(600),
+        ..EngineConfig::default()
+    }
+}
+
+/// The slowest rank's `dt` (every rank must call it).
+pub async fn slowest(c: &mut Comm, dt: f64) -> Result<f64, wagma::Error> {
+    let mut all = vec![0f32; c.size()];
+    all[c.rank()] = dt as f32;
+    let all = c.allreduce(Payload::Data(all)).await?;
+    Ok(f64::from(
+        all.as_slice().iter().copied().fold(0.0f32, f32::max),
+    ))
 }
 
 /// Runs `task` on `ranks` ranks over `transport` and returns rank 0's result.
@@ -97,14 +112,14 @@ pub fn run_job<T, F>(
     task: F,
 ) -> anyhow::Result<Option<T>>
 where
-    T: Serialize + DeserializeOwned + Send,
+    T: Serialize + DeserializeOwned + Send + 'static,
     F: AsyncFn(&mut Comm) -> Result<T, wagma::Error> + Sync,
 {
     match transport {
         TransportKind::Mem => Ok(Some(
             threaded::run(ranks, cfg, task)?.into_all()?.swap_remove(0),
         )),
-        TransportKind::Tcp if is_worker() || started_as_rank() => {
+        TransportKind::Tcp if started_as_rank()? => {
             let tcp = TcpConfig::from_env()?;
             let (c, engine) = threaded::connect_tcp(&tcp, cfg)?;
             run_rank(c, engine, ranks, task)
@@ -161,7 +176,7 @@ fn run_rank<T: Serialize>(
 }
 
 /// Runs this very command as `ranks` local processes over TCP and returns what rank 0 reports.
-fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
+fn run_tcp_workers<T: DeserializeOwned + Send + 'static>(ranks: usize) -> anyhow::Result<T> {
     let exe = std::env::current_exe().context("locating the wagma binary")?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut job = LocalJob::spawn(ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
@@ -169,17 +184,19 @@ fn run_tcp_workers<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
         .stdout
         .take()
         .context("rank 0 has no stdout")?;
-    let reader = std::thread::spawn(move || {
-        BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| l.strip_prefix(RESULT).map(str::to_string))
-    });
+    let reader = std::thread::spawn(move || read_result(out));
     job.wait(None)?;
-    let line = reader
+    reader
         .join()
-        .ok()
-        .flatten()
+        .map_err(|_| anyhow::anyhow!("reading rank 0's output failed"))?
+}
+
+/// The result rank 0 of a job this command started prints on `out` (its standard output).
+pub fn read_result<T: DeserializeOwned>(out: impl std::io::Read) -> anyhow::Result<T> {
+    let line = BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix(RESULT).map(str::to_string))
         .context("rank 0 printed no result")?;
     Ok(serde_json::from_str(&line)?)
 }

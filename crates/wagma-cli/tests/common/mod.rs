@@ -63,3 +63,27 @@ pub fn bench_collectives_rows(
     );
     rows
 }
+
+/// `wagma` under `mpirun -n N` with the Open MPI settings of a container: as root,
+/// oversubscribed, on loopback.
+pub fn mpirun(n: usize) -> std::process::Command {
+    let mut cmd =
+        std::process::Command::new(std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into()));
+    cmd.args(["-n", &n.to_string(), env!("CARGO_BIN_EXE_wagma")])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_btl_tcp_if_include", "lo")
+        .env("OMPI_MCA_oob_tcp_if_include", "lo");
+    cmd
+}
+
+/// Asserts that a command succeeded, showing its output otherwise.
+pub fn ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -107,8 +107,6 @@ impl Engine {
                 .unwrap_or_default();
             let reason = format!("silent for {:.1} s", since.as_secs_f64());
             if self.cfg.elastic {
-                // Stop watching it and go on.
-                l.watched[p] = false;
                 let (_, context) = self.blame(p);
                 self.declare_dead(now, p, &format!("{reason}{context}"), out);
                 return self.failed.is_some();

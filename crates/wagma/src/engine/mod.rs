@@ -215,8 +215,6 @@ pub struct Engine {
     /// The largest number of local steps this rank's requests said they embody.
     iteration: u64,
     tracer: Tracer,
-    /// Time of the event being handled (for timeline entries made deep inside).
-    now_hint: Time,
 }
 
 impl Engine {
@@ -244,7 +242,6 @@ impl Engine {
                 .map(|i| liveness::Liveness::new(rank, ranks, i)),
             iteration: 0,
             tracer: Tracer::new(rank, cfg.trace),
-            now_hint: Duration::ZERO,
         }
     }
 
@@ -260,7 +257,6 @@ impl Engine {
 
     /// Handles a request of the compute side.
     pub fn on_request(&mut self, now: Time, id: ReqId, req: Request, out: &mut Vec<Action>) {
-        self.now_hint = now;
         if let Some(err) = &self.failed {
             out.push(Action::Complete {
                 id,
@@ -272,9 +268,11 @@ impl Engine {
             Request::OpenStream(cfg) => self.open_stream(now, *cfg, out).map(|()| Response::Done),
             Request::Arrive { round, data, steps } => {
                 self.iteration = self.iteration.max(steps);
-                let args = serde_json::json!({ "round": round, "steps": steps });
-                self.tracer
-                    .instant(ENGINE, "publish", "model published", now, args);
+                if self.tracer.enabled() {
+                    let args = serde_json::json!({ "round": round, "steps": steps });
+                    self.tracer
+                        .instant(ENGINE, "publish", "model published", now, args);
+                }
                 self.outstanding.insert(id, Op::Round(round));
                 if let Err(e) = self.arrive(now, id, round, data, steps, out) {
                     self.outstanding.remove(&id);
@@ -343,7 +341,10 @@ impl Engine {
                     detail: "the rank is not passive (open it first)".into(),
                 }),
             },
-            Request::Stats => Ok(Response::Stats(self.stats.clone())),
+            Request::Stats => Ok(Response::Stats(EngineStats {
+                dead: self.dead(),
+                ..self.stats.clone()
+            })),
             Request::TakeTrace => Ok(Response::Trace(self.tracer.take())),
         };
         out.push(Action::Complete { id, result });
@@ -353,7 +354,6 @@ impl Engine {
 
     /// Handles a message from a peer.
     pub fn on_message(&mut self, now: Time, env: Envelope, out: &mut Vec<Action>) {
-        self.now_hint = now;
         if self.failed.is_some() {
             return;
         }
@@ -363,7 +363,7 @@ impl Engine {
             .then_some(env.meta.aux);
         self.heard_from(now, env.from, beat);
         match env.tag.kind {
-            Kind::Control => self.on_control(&env, out),
+            Kind::Control => self.on_control(now, &env, out),
             Kind::Activation => self.on_activation(now, &env, out),
             Kind::Pair if env.tag.step == 0 => {
                 if self.passive.is_some() {
@@ -471,7 +471,7 @@ impl Engine {
         msgs
     }
 
-    fn on_control(&mut self, env: &Envelope, out: &mut Vec<Action>) {
+    fn on_control(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
         match env.tag.step {
             CONTROL_BYE => {
                 if let Some(d) = self.departed.get_mut(env.from) {
@@ -479,7 +479,6 @@ impl Engine {
                 }
             }
             CONTROL_ABORT if self.cfg.elastic => {
-                let now = self.now_hint;
                 self.declare_dead(now, env.from, "it failed and left the job", out);
             }
             CONTROL_ABORT => {
@@ -520,7 +519,6 @@ impl Engine {
             return;
         }
         self.dead[peer] = true;
-        self.stats.dead = self.dead();
         tracing::warn!(
             rank = self.rank,
             peer,
@@ -540,7 +538,6 @@ impl Engine {
 
     /// Checks deadlines.
     pub fn on_tick(&mut self, now: Time, out: &mut Vec<Action>) {
-        self.now_hint = now;
         if self.failed.is_some() {
             return;
         }

@@ -356,7 +356,7 @@ impl Engine {
                 };
                 if own {
                     let seq = stream_seq(self.epoch(), round);
-                    self.forward_activation(seq, rank, None, out);
+                    self.forward_activation(now, seq, rank, None, out);
                 }
                 let s = self.stream.as_mut().expect("checked above");
                 if own || s.trigger == Trigger::Lockstep {
@@ -376,6 +376,7 @@ impl Engine {
     /// Otherwise every activator's tree is forwarded.
     fn forward_activation(
         &mut self,
+        now: Time,
         seq: u64,
         root: Rank,
         received_on: Option<u32>,
@@ -394,16 +395,23 @@ impl Engine {
             }
         }
         for e in children {
-            self.send_activation(seq, root, e.rank, e.dim, out);
+            self.send_activation(now, seq, root, e.rank, e.dim, out);
         }
     }
 
-    fn send_activation(&mut self, seq: u64, root: Rank, to: Rank, dim: u32, out: &mut Vec<Action>) {
+    fn send_activation(
+        &mut self,
+        now: Time,
+        seq: u64,
+        root: Rank,
+        to: Rank,
+        dim: u32,
+        out: &mut Vec<Action>,
+    ) {
         self.stats.activations_sent += 1;
         if self.tracer.enabled() {
             let (_, round) = split_seq(seq);
             let args = serde_json::json!({ "round": round, "to": to, "root": root });
-            let now = self.now_hint;
             self.tracer.instant(
                 crate::trace::ENGINE,
                 "activation",
@@ -450,7 +458,7 @@ impl Engine {
             self.fail(err, out);
             return;
         }
-        self.forward_activation(env.tag.seq, root, Some(u32::from(env.tag.step)), out);
+        self.forward_activation(now, env.tag.seq, root, Some(u32::from(env.tag.step)), out);
         self.activate(now, epoch, round, out);
     }
 
@@ -527,13 +535,8 @@ impl Engine {
             self.stats.syncs += 1;
         }
         let schedule = if self.cfg.elastic {
-            // Full exchange among the living members: tolerates members dying mid-round.
-            let others: Vec<Rank> = members
-                .iter()
-                .copied()
-                .filter(|&m| m != rank && !self.dead[m])
-                .collect();
-            crate::schedule::exchange(&others, &others, len)
+            let living = members.iter().copied().filter(|&m| !self.dead[m]);
+            crate::schedule::exchange_among(rank, living, len)
         } else {
             allreduce(rank, &members, len, &algorithm)
         };

@@ -201,12 +201,15 @@ impl Comm {
 
     /// Blocking sum over all ranks. Every rank must call it the same number of times.
     pub async fn allreduce(&mut self, data: Payload) -> Result<Payload, Error> {
+        self.allreduce_all(data).await.map(|e| e.data)
+    }
+
+    /// The next collective over every rank, with its members' contributions.
+    async fn allreduce_all(&mut self, data: Payload) -> Result<Exchanged, Error> {
         let members: Vec<Rank> = (0..self.size).collect();
         let seq = self.collective_seq;
         self.collective_seq += 1;
-        self.allreduce_in(&members, seq, data, 0)
-            .await
-            .map(|e| e.data)
+        self.allreduce_in(&members, seq, data, 0).await
     }
 
     /// Blocking sum over `members` (sorted, containing this rank), identified by `seq`.
@@ -242,13 +245,7 @@ impl Comm {
             });
         }
         let schedule = if self.cfg.elastic {
-            // A full exchange tolerates members that die (elastic mode).
-            let others: Vec<Rank> = members
-                .iter()
-                .copied()
-                .filter(|&m| m != self.rank)
-                .collect();
-            schedule::exchange(&others, &others, data.len())
+            schedule::exchange_among(self.rank, members.iter().copied(), data.len())
         } else {
             schedule::allreduce(self.rank, members, data.len(), choice)
         };
@@ -259,10 +256,7 @@ impl Comm {
     /// The mean over all ranks (in elastic mode, over the ranks still alive). Every rank must
     /// call it the same number of times.
     pub async fn allreduce_mean(&mut self, data: Payload) -> Result<Payload, Error> {
-        let members: Vec<Rank> = (0..self.size).collect();
-        let seq = self.collective_seq;
-        self.collective_seq += 1;
-        let e = self.allreduce_in(&members, seq, data, 0).await?;
+        let e = self.allreduce_all(data).await?;
         let n = if self.cfg.elastic {
             e.contributions.len().max(1)
         } else {

@@ -28,6 +28,13 @@ pub fn exchange(send_to: &[Rank], recv_from: &[Rank], len: usize) -> Schedule {
     Schedule { len, phases }
 }
 
+/// A sum among `members` as one full exchange with every other member: unlike the staged
+/// allreduce algorithms, it completes whichever members turn out to be dead (elastic mode).
+pub fn exchange_among(rank: Rank, members: impl IntoIterator<Item = Rank>, len: usize) -> Schedule {
+    let others: Vec<Rank> = members.into_iter().filter(|&m| m != rank).collect();
+    exchange(&others, &others, len)
+}
+
 /// The active side of an AD-PSGD pairwise averaging: send the model to `passive` (step 0) and
 /// receive the pair's average back (step 1). The passive side is answered by its engine.
 pub fn pair_request(passive: Rank, len: usize) -> Schedule {

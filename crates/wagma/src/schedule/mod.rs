@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::Rank;
 
 pub use allreduce::{allreduce, recursive_doubling, reduce_scatter_allgather};
-pub use exchange::{activation_cost, exchange, pair_request};
+pub use exchange::{activation_cost, exchange, exchange_among, pair_request};
 
 /// A transfer of `range` of the working buffer to or from `peer`, matched by `step`.
 #[derive(Debug, Clone, PartialEq, Eq)]

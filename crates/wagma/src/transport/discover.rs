@@ -14,6 +14,7 @@
 //! The rendezvous is `WAGMA_RENDEZVOUS` if set, else `MASTER_ADDR:MASTER_PORT`, else the first
 //! SLURM host with `WAGMA_PORT` (default 29500).
 
+use super::tcp::env;
 use crate::Rank;
 use crate::error::ConfigError;
 
@@ -42,8 +43,8 @@ struct Source {
 const SOURCES: [Source; 5] = [
     Source {
         name: "wagma",
-        rank: "WAGMA_RANK",
-        world: "WAGMA_WORLD_SIZE",
+        rank: env::RANK,
+        world: env::WORLD_SIZE,
         local: None,
     },
     Source {
@@ -131,6 +132,11 @@ pub fn first_host(list: &str) -> Option<String> {
     (!out.is_empty()).then_some(out)
 }
 
+/// [`discover`] on this process's environment.
+pub fn discover_env() -> Result<Option<Discovered>, ConfigError> {
+    discover(&|k: &str| std::env::var(k).ok())
+}
+
 /// Reads the launcher's environment through `get`; `Ok(None)` when no source sets a rank.
 pub fn discover(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Discovered>, ConfigError> {
     let mut found: Option<Discovered> = None;
@@ -179,7 +185,7 @@ pub fn discover(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Discovere
         })?,
         None => DEFAULT_PORT,
     };
-    d.rendezvous = get("WAGMA_RENDEZVOUS")
+    d.rendezvous = get(env::RENDEZVOUS)
         .or_else(|| match (get("MASTER_ADDR"), get("MASTER_PORT")) {
             (Some(a), Some(p)) => Some(format!("{a}:{p}")),
             (Some(a), None) => Some(format!("{a}:{port}")),

@@ -181,7 +181,7 @@ impl Transport for MpiTransport {
                 dest.immediate_send_with_tag(StaticScope, unsafe { forever(data.as_slice()) }, TAG);
             self.in_flight.push(InFlight::Data(dreq, data));
         }
-        self.complete_sends();
+        // Completed sends are released by `poll`, which the engine calls on every turn.
         Ok(())
     }
 

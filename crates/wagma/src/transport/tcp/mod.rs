@@ -87,7 +87,7 @@ impl TcpConfig {
     /// `WAGMA_JOB_ID`, `WAGMA_SECRET` and `WAGMA_BIND`.
     pub fn from_env() -> Result<TcpConfig, ConfigError> {
         let get = |k: &str| std::env::var(k).ok();
-        let d = super::discover::discover(&get)?.ok_or(ConfigError::Invalid {
+        let d = super::discover::discover_env()?.ok_or(ConfigError::Invalid {
             what: "launcher environment",
             detail: "no rank found: start under `wagma launch`, mpirun, srun or torchrun, or set WAGMA_RANK and WAGMA_WORLD_SIZE".into(),
         })?;
