@@ -17,6 +17,55 @@ use crate::transport::{Incoming, Transport, mem};
 /// How long an idle engine thread sleeps between checks when nothing has a deadline.
 const IDLE: Duration = Duration::from_millis(200);
 
+/// How long a failed send waits for the transport's own report on the peer before the peer is
+/// declared lost. A failing peer sends its reason and then closes its connections; a write that
+/// races with the close fails first, and blaming the peer at once would hide the reason (the
+/// rank the failure started from) still on its way through the inbox.
+const SEND_FAILURE_GRACE: Duration = Duration::from_millis(500);
+
+/// Peers a send has failed to: later sends to them are skipped, and each is declared lost when
+/// the transport reports it or when its grace period ends, whichever comes first.
+#[derive(Default)]
+struct Unreachable {
+    /// Peer -> (when to declare it lost, what the failed send saw); `None` once declared.
+    peers: HashMap<Rank, Option<(Duration, String)>>,
+}
+
+impl Unreachable {
+    fn contains(&self, peer: Rank) -> bool {
+        self.peers.contains_key(&peer)
+    }
+
+    fn send_failed(&mut self, peer: Rank, now: Duration, reason: String) {
+        self.peers
+            .entry(peer)
+            .or_insert(Some((now + SEND_FAILURE_GRACE, reason)));
+    }
+
+    /// The transport reported `peer` lost: its grace period is over.
+    fn reported(&mut self, peer: Rank) {
+        self.peers.insert(peer, None);
+    }
+
+    fn next_deadline(&self) -> Option<Duration> {
+        self.peers.values().flatten().map(|(at, _)| *at).min()
+    }
+
+    /// Peers whose grace period has ended, with what their failed send saw.
+    fn expired(&mut self, now: Duration) -> Vec<(Rank, String)> {
+        let mut due = Vec::new();
+        for (&peer, entry) in &mut self.peers {
+            if entry.as_ref().is_some_and(|(at, _)| *at <= now)
+                && let Some((_, reason)) = entry.take()
+            {
+                due.push((peer, reason));
+            }
+        }
+        due.sort_unstable_by_key(|(p, _)| *p);
+        due
+    }
+}
+
 enum Cmd {
     Request(Request, Arc<Slot>),
     Leave { abort: bool },
@@ -89,10 +138,14 @@ fn engine_loop(
     let mut out = Vec::new();
     let never = crossbeam_channel::never();
     let mut inbox_open = true;
+    let mut unreachable = Unreachable::default();
     loop {
         let now = start.elapsed();
         let mut wait = engine
             .next_deadline()
+            .into_iter()
+            .chain(unreachable.next_deadline())
+            .min()
             .map_or(IDLE, |d| d.saturating_sub(now));
         if let Some(p) = transport.poll_interval() {
             wait = wait.min(p);
@@ -117,7 +170,10 @@ fn engine_loop(
             },
             recv(inbox_ref) -> msg => match msg {
                 Ok(Ok(env)) => engine.on_message(start.elapsed(), env, &mut out),
-                Ok(Err(lost)) => engine.on_peer_lost(start.elapsed(), lost.peer, &lost.reason, &mut out),
+                Ok(Err(lost)) => {
+                    unreachable.reported(lost.peer);
+                    engine.on_peer_lost(start.elapsed(), lost.peer, &lost.reason, &mut out);
+                }
                 Err(_) => inbox_open = false,
             },
             default(wait) => {}
@@ -129,16 +185,25 @@ fn engine_loop(
             };
             engine.fail(err, &mut out);
         }
+        for (peer, reason) in unreachable.expired(start.elapsed()) {
+            engine.on_peer_lost(start.elapsed(), peer, &reason, &mut out);
+        }
         engine.on_tick(start.elapsed(), &mut out);
-        perform(&mut engine, transport.as_mut(), &mut slots, &mut out, start);
+        perform(
+            transport.as_mut(),
+            &mut slots,
+            &mut out,
+            &mut unreachable,
+            start,
+        );
     }
 }
 
 fn perform(
-    engine: &mut Engine,
     transport: &mut dyn Transport,
     slots: &mut HashMap<ReqId, Arc<Slot>>,
     out: &mut Vec<Action>,
+    unreachable: &mut Unreachable,
     start: Instant,
 ) {
     while !out.is_empty() {
@@ -146,8 +211,11 @@ fn perform(
         for a in actions {
             match a {
                 Action::Send { to, env } => {
+                    if unreachable.contains(to) {
+                        continue;
+                    }
                     if let Err(e) = transport.send(to, env) {
-                        engine.on_peer_lost(start.elapsed(), to, &e.to_string(), out);
+                        unreachable.send_failed(to, start.elapsed(), e.to_string());
                     }
                 }
                 Action::Complete { id, result } => {
@@ -332,4 +400,87 @@ pub fn connect_mpi(cfg: EngineConfig, max_frame: u64) -> Result<(Comm, JoinHandl
         .map_err(|source| Error::Transport { rank: 0, source })?;
     let port = ThreadedPort { tx, start, rank };
     Ok((Comm::new(rank, size, cfg, Arc::new(port)), handle))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Op;
+    use crate::payload::Payload;
+    use crate::transport::Envelope;
+
+    /// Every send fails, as writes to peers that have closed their connections do; the first
+    /// failure delivers what rank 0 sent before it closed (an abort naming the rank it lost).
+    struct Closed {
+        inbox: Sender<Incoming>,
+        pending: Vec<Envelope>,
+    }
+
+    impl Transport for Closed {
+        fn send(&mut self, to: Rank, _env: Envelope) -> Result<(), TransportError> {
+            for env in self.pending.drain(..) {
+                let _ = self.inbox.send(Ok(env));
+            }
+            Err(TransportError::Peer {
+                peer: to,
+                message: "writing a frame: Broken pipe".into(),
+            })
+        }
+    }
+
+    fn abort_of_rank_0_after_losing_rank_1(cfg: EngineConfig) -> Envelope {
+        let mut zero = Engine::new(0, 3, cfg);
+        let lost = Error::PeerLost {
+            rank: 0,
+            peer: 1,
+            op: Op::Other("test"),
+            reason: "killed".into(),
+        };
+        zero.fail(lost, &mut Vec::new());
+        zero.farewell(true)
+            .into_iter()
+            .find_map(|(to, env)| (to == 2).then_some(env))
+            .unwrap_or_else(|| panic!("rank 0 says nothing to rank 2"))
+    }
+
+    #[test]
+    fn a_failed_send_blames_the_rank_the_failure_started_from() {
+        let cfg = EngineConfig {
+            timeout: Duration::from_secs(30),
+            ..EngineConfig::default()
+        };
+        let (tx, rx) = unbounded();
+        let closed = Closed {
+            inbox: tx,
+            pending: vec![abort_of_rank_0_after_losing_rank_1(cfg)],
+        };
+        let (mut comm, engine) =
+            spawn(2, 3, cfg, Box::new(closed), rx, Instant::now()).expect("engine starts");
+        let err = block_on(comm.allreduce(Payload::from(vec![1.0; 8])))
+            .expect_err("the allreduce cannot complete");
+        assert_eq!(err.peer(), Some(1), "{err}");
+        assert!(err.to_string().contains("after losing rank 1"), "{err}");
+        comm.abort();
+        engine.join().expect("engine thread ends");
+    }
+
+    #[test]
+    fn an_unreachable_peer_is_declared_once_after_its_grace_or_its_report() {
+        let mut u = Unreachable::default();
+        let t0 = Duration::from_secs(1);
+        u.send_failed(3, t0, "broken pipe".into());
+        u.send_failed(3, t0 + SEND_FAILURE_GRACE, "again".into());
+        u.send_failed(5, t0, "reset".into());
+        assert!(u.contains(3) && u.contains(5) && !u.contains(4));
+        assert_eq!(u.next_deadline(), Some(t0 + SEND_FAILURE_GRACE));
+        assert!(u.expired(t0).is_empty());
+        u.reported(5);
+        assert_eq!(
+            u.expired(t0 + SEND_FAILURE_GRACE),
+            vec![(3, "broken pipe".to_string())]
+        );
+        assert!(u.expired(t0 * 10).is_empty());
+        assert_eq!(u.next_deadline(), None);
+        assert!(u.contains(3) && u.contains(5));
+    }
 }
