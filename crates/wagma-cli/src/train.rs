@@ -139,6 +139,11 @@ pub struct Args {
     /// survive; it writes the outputs).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub elastic: Option<bool>,
+    /// Start this process in place of a rank that an elastic TCP job has lost (same rank,
+    /// world size, rendezvous and arguments): it rejoins at the job's next global average,
+    /// starting from the consensus model. WAGMA-SGD only; rank 0 cannot rejoin.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub rejoin: Option<bool>,
     /// Resume from a checkpoint (directory, or output directory of an earlier run).
     #[arg(long)]
     pub resume: Option<PathBuf>,
@@ -304,6 +309,9 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     c.resume = a.resume.clone();
     if let Some(e) = a.elastic {
         c.elastic = e;
+    }
+    if let Some(r) = a.rejoin {
+        c.rejoin = r;
     }
     if let Some(t) = a.timeout {
         c.timeout =

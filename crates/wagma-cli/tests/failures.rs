@@ -21,24 +21,29 @@ fn free_port() -> u16 {
 }
 
 /// Starts `n` ranks of `wagma ARGS` over TCP; each rank's stderr goes to `dir/rank-R.log`.
-fn spawn_job(n: usize, args: &[String], dir: &Path) -> Vec<Child> {
+fn spawn_job(n: usize, args: &[String], dir: &Path) -> (Vec<Child>, String) {
     let rdv = format!("127.0.0.1:{}", free_port());
-    (0..n)
-        .map(|rank| {
-            wagma()
-                .args(args)
-                .env("WAGMA_RANK", rank.to_string())
-                .env("WAGMA_WORLD_SIZE", n.to_string())
-                .env("WAGMA_RENDEZVOUS", &rdv)
-                .env("WAGMA_JOB_ID", "failures")
-                .env("WAGMA_SECRET", "test-secret")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(File::create(dir.join(format!("rank-{rank}.log"))).unwrap())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
+    let children = (0..n)
+        .map(|rank| spawn_rank(rank, n, &rdv, args, &dir.join(format!("rank-{rank}.log"))))
+        .collect();
+    (children, rdv)
+}
+
+/// Starts rank `rank` of `n` of `wagma ARGS` with the rendezvous `rdv`, its stderr in `log`.
+fn spawn_rank(rank: usize, n: usize, rdv: &str, args: &[String], log: &Path) -> Child {
+    wagma()
+        .args(args)
+        .env("WAGMA_RANK", rank.to_string())
+        .env("WAGMA_WORLD_SIZE", n.to_string())
+        .env("WAGMA_RENDEZVOUS", rdv)
+        .env("WAGMA_JOB_ID", "failures")
+        .env("WAGMA_SECRET", "test-secret")
+        .env("WAGMA_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(File::create(log).unwrap())
+        .spawn()
+        .unwrap()
 }
 
 fn train_args(out: &Path, steps: u64, eval_every: u64, extra: &[&str]) -> Vec<String> {
@@ -125,7 +130,7 @@ fn kill_one(rep: u64, ranks: usize, timeout_s: u64) -> KillOutcome {
         5,
         &["--timeout", &timeout_s.to_string(), "--group-size", "2"],
     );
-    let mut children = spawn_job(ranks, &args, &dir);
+    let (mut children, _) = spawn_job(ranks, &args, &dir);
     // Let training start (rank 0 has evaluated once), then kill at a varying moment.
     let started = wait_until(Duration::from_secs(60), || evaluated(&out) >= 5);
     assert!(started, "the job did not start training");
@@ -190,7 +195,7 @@ fn a_stopped_tcp_rank_is_declared_lost_within_the_timeout() {
     let out = dir.join("out");
     let timeout_s = 4;
     let args = train_args(&out, 100_000, 5, &["--timeout", &timeout_s.to_string()]);
-    let mut children = spawn_job(3, &args, &dir);
+    let (mut children, _) = spawn_job(3, &args, &dir);
     assert!(wait_until(Duration::from_secs(60), || evaluated(&out) >= 5));
     let victim = 2;
     let pid = i32::try_from(children[victim].id()).unwrap();
@@ -239,7 +244,7 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     let dir = tmp("elastic-base");
     std::fs::create_dir_all(&dir).unwrap();
     let base_out = dir.join("out");
-    let mut children = spawn_job(ranks, &train_args(&base_out, steps, 100, &extra), &dir);
+    let (mut children, _) = spawn_job(ranks, &train_args(&base_out, steps, 100, &extra), &dir);
     let status = wait_all(&mut children, Duration::from_secs(600));
     assert!(
         status.iter().all(|s| s.is_some_and(|s| s.success())),
@@ -251,7 +256,7 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     let dir2 = tmp("elastic-kill");
     std::fs::create_dir_all(&dir2).unwrap();
     let out = dir2.join("out");
-    let mut children = spawn_job(ranks, &train_args(&out, steps, 100, &extra), &dir2);
+    let (mut children, _) = spawn_job(ranks, &train_args(&out, steps, 100, &extra), &dir2);
     assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= steps / 2));
     children[5].kill().unwrap();
     let status = wait_all(&mut children, Duration::from_secs(600));
@@ -270,4 +275,76 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     );
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&dir2);
+}
+
+/// The number of ranks alive at each evaluation rank 0 recorded.
+fn alive_at_evaluations(out: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["iteration"].as_u64()?, v["ranks_alive"].as_u64()?)))
+        .collect()
+}
+
+#[test]
+fn a_restarted_rank_rejoins_an_elastic_job_at_a_global_average() {
+    let (ranks, steps, victim) = (4, 400, 2);
+    let dir = tmp("rejoin");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("out");
+    let args = train_args(&out, steps, 20, &["--elastic", "--timeout", "20"]);
+    let (mut children, rdv) = spawn_job(ranks, &args, &dir);
+    assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= 100));
+    children[victim].kill().unwrap();
+    let _ = children[victim].wait();
+    let killed_after = evaluated(&out);
+    // Rank 0 records the loss at an evaluation before the replacement starts.
+    assert!(wait_until(Duration::from_secs(120), || {
+        std::fs::read_to_string(out.join("metrics.jsonl.partial"))
+            .unwrap_or_default()
+            .contains("\"ranks_alive\":3")
+    }));
+    let mut rejoin_args = args.clone();
+    rejoin_args.push("--rejoin".into());
+    let log = dir.join("rank-2-rejoined.log");
+    children[victim] = spawn_rank(victim, ranks, &rdv, &rejoin_args, &log);
+    let status = wait_all(&mut children, Duration::from_secs(600));
+    for (rank, s) in status.iter().enumerate() {
+        let name = if rank == victim {
+            "rank-2-rejoined.log".to_string()
+        } else {
+            format!("rank-{rank}.log")
+        };
+        let text = std::fs::read_to_string(dir.join(name)).unwrap();
+        assert!(s.is_some_and(|s| s.success()), "rank {rank}: {s:?}\n{text}");
+    }
+    let joiner = std::fs::read_to_string(&log).unwrap();
+    let rejoined_at: u64 = joiner
+        .lines()
+        .find(|l| l.contains("rejoined the job"))
+        .and_then(|l| l.split("iteration=").nth(1))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("the joiner did not say where it rejoined:\n{joiner}"));
+    // WAGMA's default tau is 10: the join point is a global average after the kill.
+    assert!(rejoined_at > killed_after && rejoined_at.is_multiple_of(10) && rejoined_at < steps);
+    let alive = alive_at_evaluations(&out);
+    let after: Vec<u64> = alive
+        .iter()
+        .filter(|(i, _)| *i > rejoined_at)
+        .map(|(_, a)| *a)
+        .collect();
+    assert!(alive.iter().any(|&(_, a)| a == 3), "{alive:?}");
+    assert!(
+        !after.is_empty() && after.iter().all(|&a| a == 4),
+        "{alive:?}"
+    );
+    let (acc, alive_at_end) = outcome(&out);
+    assert_eq!(alive_at_end, 4);
+    eprintln!(
+        "rank {victim} killed after iteration {killed_after}, rejoined at {rejoined_at}; final accuracy {acc:.4}"
+    );
+    assert!(acc > 0.8, "final accuracy {acc:.4}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -115,6 +115,10 @@ pub struct TrainConfig {
     /// with the survivors' consensus model (rank 0 must survive: it writes the outputs).
     #[serde(default)]
     pub elastic: bool,
+    /// This process replaces a rank that an elastic TCP job lost: it asks to rejoin and starts
+    /// from the consensus model at the job's next global average (WAGMA-SGD only).
+    #[serde(default)]
+    pub rejoin: bool,
     /// Also evaluate rank 0's replica.
     pub eval_replica: bool,
     /// End-to-end timeout of any collective.
@@ -146,6 +150,7 @@ impl Default for TrainConfig {
             trace: None,
             resume: None,
             elastic: false,
+            rejoin: false,
             eval_replica: true,
             timeout: Duration::from_secs(120),
             progress: true,
@@ -183,6 +188,19 @@ impl TrainConfig {
         }
         if !self.execution.is_multi_process() {
             self.algo.algorithm.validate(self.ranks)?;
+        }
+        if self.rejoin {
+            if !self.elastic || self.execution != Execution::Tcp {
+                return Err(TrainError::Config(
+                    "rejoining needs elastic continuation over the tcp transport".into(),
+                ));
+            }
+            if !matches!(self.algo.algorithm, Algorithm::Wagma(_)) || self.resume.is_some() {
+                return Err(TrainError::Config(
+                    "only a WAGMA-SGD run that does not resume from a checkpoint can be rejoined"
+                        .into(),
+                ));
+            }
         }
         if let Some(o) = &self.optimizer {
             o.validate()?;
@@ -236,5 +254,44 @@ pub fn default_optimizer(w: WorkloadKind, steps: u64) -> OptimizerConfig {
             weight_decay: 0.0,
             clip_norm: Some(0.5),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_elastic_wagma_run_over_tcp_can_be_rejoined() {
+        let ok = TrainConfig {
+            rejoin: true,
+            elastic: true,
+            execution: Execution::Tcp,
+            ..TrainConfig::default()
+        };
+        assert!(ok.validate().is_ok());
+        for bad in [
+            TrainConfig {
+                elastic: false,
+                ..ok.clone()
+            },
+            TrainConfig {
+                execution: Execution::Threads,
+                ..ok.clone()
+            },
+            TrainConfig {
+                algo: AlgoConfig::new(Algorithm::AllreduceSgd),
+                ..ok.clone()
+            },
+            TrainConfig {
+                resume: Some(PathBuf::from("runs/old")),
+                ..ok.clone()
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(TrainError::Config(m)) if m.contains("rejoin")),
+                "{bad:?}"
+            );
+        }
     }
 }

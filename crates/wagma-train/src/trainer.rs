@@ -330,7 +330,12 @@ pub fn run<W: Workload>(
     };
     // In a multi-process job this process is one rank: join the job first.
     let process = match cfg.execution {
-        Execution::Tcp => Some(threaded::connect_tcp(&TcpConfig::from_env()?, engine)?),
+        Execution::Tcp => {
+            let mut tcp = TcpConfig::from_env()?;
+            tcp.rejoin = cfg.rejoin;
+            tcp.accept_rejoins = cfg.elastic;
+            Some(threaded::connect_tcp(&tcp, engine)?)
+        }
         Execution::Mpi => Some(connect_mpi(engine)?),
         Execution::Threads | Execution::Deterministic => None,
     };
@@ -425,7 +430,19 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let device = train_device();
     let mut fm = FlatModel::new(w.build(&device));
     let mut local = w.local(rank, p, cfg.seed);
+    let mut alive = p;
     let (params, buffers, resume, mut samples, train_s) = match &s.resume {
+        None if cfg.rejoin => {
+            let start = rejoin(comm, s.init, cfg.timeout).await?;
+            alive = start.alive;
+            (
+                start.params,
+                start.buffers,
+                start.resume,
+                start.samples,
+                start.train_s,
+            )
+        }
         Some((ckpt, meta)) => {
             let st = checkpoint::read_rank(ckpt, rank)?;
             if st.params.len() != s.init.params.len() || st.buffers.len() != s.init.buffers.len() {
@@ -463,7 +480,10 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         resume,
     )
     .await?;
-    if start_iter > 0 {
+    if cfg.rejoin {
+        // The living ranks wait here for the joiners they admitted.
+        worker.comm().barrier().await?;
+    } else if start_iter > 0 {
         // The uninterrupted run quiesced here to checkpoint; so does the resumed one.
         worker.quiesce().await?;
     }
@@ -475,8 +495,8 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let ckpt_every = cfg.checkpoint_every;
     let mut next_ckpt = ckpt_every.map(|k| start_iter + k);
     let mut steps_done = start_iter;
-    // Ranks still training (fewer after a loss in elastic mode; learnt at evaluations).
-    let mut alive = p;
+    // Ranks still training (fewer after a loss in elastic mode; learnt at evaluations and
+    // admissions).
     let mut trace: Vec<ComputeLine> = Vec::new();
     for t in start_iter..cfg.steps {
         if let Some(im) = &cfg.imbalance {
@@ -539,6 +559,12 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         if out_of_budget {
             break;
         }
+        if cfg.elastic && cfg.algo.is_clean_point(done) && done < cfg.steps {
+            let now = clock(worker.comm(), excluded);
+            if let Some(n) = admit_joiners(&mut worker, done, samples, now).await? {
+                alive = n;
+            }
+        }
         if next_ckpt.is_some_and(|k| done >= k) && cfg.algo.is_clean_point(done) && done < cfg.steps
         {
             let e0 = worker.comm().now();
@@ -585,6 +611,106 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         checkpoint: last_ckpt,
     };
     Ok(RankEnd { summary })
+}
+
+/// Where a rejoining rank starts.
+struct Rejoined {
+    params: Vec<f32>,
+    buffers: Vec<f32>,
+    resume: Resume,
+    samples: u64,
+    train_s: f64,
+    alive: usize,
+}
+
+/// A restarted rank: announces itself and waits (at most ten collective timeouts) to be
+/// admitted at the job's next global average, receiving the consensus state.
+async fn rejoin(
+    comm: &mut Comm,
+    init: &Initial,
+    timeout: Duration,
+) -> Result<Rejoined, TrainError> {
+    comm.announce_rejoin().await?;
+    tracing::info!(
+        rank = comm.rank(),
+        "asked to rejoin; waiting for the next global average"
+    );
+    let (state, info) = comm.await_welcome(timeout.saturating_mul(10)).await?;
+    let (np, nb) = (init.params.len(), init.buffers.len());
+    let state = state.into_vec();
+    let &[iteration, samples, train_s, alive] = info.as_slice() else {
+        return Err(TrainError::Config(format!(
+            "the welcome carries {} values instead of 4",
+            info.len()
+        )));
+    };
+    if state.len() < np + nb {
+        return Err(TrainError::Config(format!(
+            "the welcome carries {} values for a model of {}",
+            state.len(),
+            np + nb
+        )));
+    }
+    tracing::info!(rank = comm.rank(), iteration, "rejoined the job");
+    Ok(Rejoined {
+        params: state[..np].to_vec(),
+        buffers: state[np..np + nb].to_vec(),
+        resume: Resume {
+            iteration,
+            momentum: state[np + nb..].to_vec(),
+            weight: None,
+        },
+        samples,
+        train_s: f64::from_bits(train_s),
+        alive: usize::try_from(alive).unwrap_or(usize::MAX),
+    })
+}
+
+/// Living ranks at a global average (elastic mode): agree on the restarted ranks to admit,
+/// admit them, and have the lowest living rank send each its starting state; returns the
+/// number of ranks training from now on when some were admitted.
+async fn admit_joiners(
+    worker: &mut Worker<'_>,
+    done: u64,
+    samples: u64,
+    train_s: f64,
+) -> Result<Option<usize>, TrainError> {
+    let comm = worker.comm();
+    let p = comm.size();
+    let mut asked = vec![0.0f32; p];
+    for r in comm.joining_ranks().await? {
+        asked[r] = 1.0;
+    }
+    // Every living rank must admit the same ranks: those that any of them heard from.
+    let asked = comm.allreduce(Payload::Data(asked)).await?;
+    let joiners: Vec<usize> = (0..p).filter(|&r| asked.as_slice()[r] > 0.0).collect();
+    if joiners.is_empty() {
+        return Ok(None);
+    }
+    let living = comm.living_ranks().await?;
+    let leader = living.first().copied();
+    let alive = living.len() + joiners.len();
+    comm.admit(&joiners).await?;
+    if leader == Some(comm.rank()) {
+        let mut state = worker.params().to_vec();
+        state.extend_from_slice(worker.buffers());
+        state.extend_from_slice(worker.momentum());
+        let info = [done, samples, train_s.to_bits(), alive as u64];
+        for &r in &joiners {
+            let data = Payload::Data(state.clone());
+            worker.comm().welcome(r, data, &info).await?;
+        }
+    }
+    // A barrier, not `quiesce`: a joiner's clock started later than the others', so aligning
+    // clocks would stall it (and WAGMA has nothing in flight at a global average).
+    worker.comm().barrier().await?;
+    tracing::info!(
+        rank = worker.comm().rank(),
+        ?joiners,
+        iteration = done,
+        "admitted"
+    );
+    Ok(Some(alive))
 }
 
 async fn evaluate<W: Workload>(

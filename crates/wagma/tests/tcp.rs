@@ -273,3 +273,71 @@ fn killing_a_process_fails_every_survivor_naming_it() {
         );
     }
 }
+
+fn note(from: usize, seq: u64) -> wagma::transport::Envelope {
+    use wagma::transport::{Envelope, Kind, Meta, Tag};
+    Envelope {
+        from,
+        tag: Tag {
+            kind: Kind::Collective,
+            seq,
+            step: 0,
+        },
+        meta: Meta::default(),
+        data: Payload::Data(vec![seq as f32; 3]),
+    }
+}
+
+#[test]
+fn a_restarted_rank_reconnects_to_every_living_peer() {
+    use wagma::transport::tcp::{TcpTransport, connect};
+    use wagma::transport::{Incoming, Transport};
+    let rdv = format!("127.0.0.1:{}", free_port());
+    let cred = Credentials {
+        job_id: "rejoin".into(),
+        secret: b"rejoin-secret".to_vec(),
+    };
+    let cfg = |rank: usize, rejoin: bool| {
+        let mut c = TcpConfig::new(rank, 3, rdv.clone(), cred.clone());
+        c.connect_timeout = Duration::from_secs(20);
+        c.accept_rejoins = true;
+        c.rejoin = rejoin;
+        c
+    };
+    let open = |c: TcpConfig| {
+        let (tx, rx) = crossbeam_channel::unbounded::<Incoming>();
+        connect(&c, tx).map(|t| (t, rx))
+    };
+    let starting: Vec<_> = (0..3)
+        .map(|r| {
+            let c = cfg(r, false);
+            std::thread::spawn(move || open(c))
+        })
+        .collect();
+    let mut ranks: Vec<(TcpTransport, crossbeam_channel::Receiver<Incoming>)> = starting
+        .into_iter()
+        .map(|h| h.join().unwrap().expect("start-up"))
+        .collect();
+    let recv = |rx: &crossbeam_channel::Receiver<Incoming>| {
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("a delivery")
+    };
+    // Rank 2 goes away; its peers see the connection close.
+    drop(ranks.pop());
+    for (_, rx) in &ranks {
+        assert!(matches!(recv(rx), Err(l) if l.peer == 2));
+    }
+    // Rank 0 serves the rendezvous and cannot be the one that rejoins.
+    assert!(open(cfg(0, true)).is_err());
+    // A new process takes over rank 2: messages flow both ways on the new connections.
+    let (mut joiner, rx2) = open(cfg(2, true)).expect("rejoin");
+    for (peer, (t, rx)) in ranks.iter_mut().enumerate() {
+        joiner.send(peer, note(2, 10 + peer as u64)).unwrap();
+        let got = recv(rx).expect("a message from the joiner");
+        assert_eq!((got.from, got.tag.seq), (2, 10 + peer as u64));
+        t.send(2, note(peer, 20 + peer as u64)).unwrap();
+        let back = recv(&rx2).expect("an answer to the joiner");
+        assert_eq!((back.from, back.tag.seq), (peer, 20 + peer as u64));
+        assert_eq!(back.data.as_slice(), &[back.tag.seq as f32; 3]);
+    }
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::{Action, Engine, Time};
 use crate::Rank;
 use crate::payload::Payload;
-use crate::transport::{Envelope, Kind, Meta, Tag};
+use crate::transport::Meta;
 
 /// Step of a heartbeat control message (its `aux` carries the sender's iteration).
 pub(super) const CONTROL_HEARTBEAT: u16 = 2;
@@ -56,6 +56,16 @@ impl Liveness {
         self.iteration.get(peer).copied().flatten()
     }
 
+    /// A peer came back (rejoined): judge its silence from `now`.
+    pub fn restart(&mut self, peer: Rank, now: Time) {
+        if let Some(t) = self.last_heard.get_mut(peer) {
+            *t = Some(now);
+        }
+        if let Some(i) = self.iteration.get_mut(peer) {
+            *i = None;
+        }
+    }
+
     pub fn next_deadline(&self) -> Time {
         self.next_beat
     }
@@ -96,7 +106,8 @@ impl Engine {
         let timeout = self.cfg.timeout;
         // A silent watched peer is dead.
         let silent = (0..l.watched.len()).find(|&p| {
-            l.watched[p]
+            !self.rejoining
+                && l.watched[p]
                 && !self.departed[p]
                 && !self.dead[p]
                 && l.last_heard[p].is_some_and(|t| now.saturating_sub(t) > timeout)
@@ -126,19 +137,11 @@ impl Engine {
                 .collect();
             let iteration = self.iteration;
             for to in targets {
-                let env = Envelope {
-                    from: self.rank,
-                    tag: Tag {
-                        kind: Kind::Control,
-                        seq: 0,
-                        step: CONTROL_HEARTBEAT,
-                    },
-                    meta: Meta {
-                        aux: iteration,
-                        ..Meta::default()
-                    },
-                    data: Payload::Size(0),
+                let meta = Meta {
+                    aux: iteration,
+                    ..Meta::default()
                 };
+                let env = self.control(CONTROL_HEARTBEAT, meta, Payload::Size(0));
                 self.send(to, env, out);
             }
         }

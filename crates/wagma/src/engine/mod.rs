@@ -9,6 +9,7 @@
 //! of the published model, results kept until read, global sync rounds, timeouts.
 
 mod buffer;
+mod join;
 mod liveness;
 mod passive;
 mod run;
@@ -29,6 +30,7 @@ const CONTROL_BYE: u16 = 0;
 const CONTROL_ABORT: u16 = 1;
 use crate::Rank;
 
+pub use join::Welcome;
 pub use stream::{
     ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger, initiator,
 };
@@ -119,6 +121,29 @@ pub enum Request {
         /// Model after the local step.
         data: Payload,
     },
+    /// Rejoining: announce to every peer that this process has taken over its rank (see
+    /// [`crate::exec::Comm::announce_rejoin`] for the whole protocol).
+    Announce,
+    /// Rejoining: include these announced joiners in every collective and round from now on.
+    /// Every living rank admits the same ranks at the same point of its program.
+    Admit {
+        /// The joiners.
+        ranks: Vec<Rank>,
+    },
+    /// Rejoining: send an admitted joiner the state to start from and `info` values.
+    Welcome {
+        /// The joiner.
+        to: Rank,
+        /// The state to start from.
+        data: Payload,
+        /// The caller's values (iteration and the like).
+        info: Vec<u64>,
+    },
+    /// Rejoining: wait (at most `timeout`) for this rank's welcome.
+    AwaitWelcome {
+        /// How long to wait.
+        timeout: Duration,
+    },
     /// Read the engine's counters.
     Stats,
     /// Take the engine's timeline events.
@@ -147,6 +172,8 @@ pub enum Response {
     Stats(EngineStats),
     /// Timeline events.
     Trace(Vec<TraceEvent>),
+    /// A joiner's welcome.
+    Welcome(Welcome),
 }
 
 /// What the engine wants done.
@@ -190,6 +217,9 @@ pub struct EngineStats {
     /// Peers declared dead (elastic mode), in rank order.
     #[serde(default)]
     pub dead: Vec<Rank>,
+    /// Dead peers that restarted and asked to rejoin (elastic mode), in rank order.
+    #[serde(default)]
+    pub joining: Vec<Rank>,
 }
 
 /// The progress engine of one rank.
@@ -209,6 +239,12 @@ pub struct Engine {
     departed: Vec<bool>,
     /// Peers declared dead (elastic mode).
     dead: Vec<bool>,
+    /// Dead peers that announced a restart.
+    joining: Vec<bool>,
+    welcome: Option<Welcome>,
+    /// This rank announced a rejoin and waits for its welcome.
+    rejoining: bool,
+    welcome_waiter: Option<join::WelcomeWaiter>,
     failed: Option<Error>,
     stats: EngineStats,
     liveness: Option<liveness::Liveness>,
@@ -235,6 +271,10 @@ impl Engine {
             outstanding: BTreeMap::new(),
             departed: vec![false; ranks],
             dead: vec![false; ranks],
+            joining: vec![false; ranks],
+            welcome: None,
+            rejoining: false,
+            welcome_waiter: None,
             failed: None,
             stats: EngineStats::default(),
             liveness: cfg
@@ -341,8 +381,22 @@ impl Engine {
                     detail: "the rank is not passive (open it first)".into(),
                 }),
             },
+            Request::Announce => {
+                self.announce(out);
+                Ok(Response::Done)
+            }
+            Request::Admit { ranks } => self.admit(now, &ranks).map(|()| Response::Done),
+            Request::Welcome { to, data, info } => {
+                self.welcome(to, data, &info, out);
+                Ok(Response::Done)
+            }
+            Request::AwaitWelcome { timeout } => {
+                self.await_welcome(now, id, timeout, out);
+                return;
+            }
             Request::Stats => Ok(Response::Stats(EngineStats {
                 dead: self.dead(),
+                joining: (0..self.ranks).filter(|&p| self.joining[p]).collect(),
                 ..self.stats.clone()
             })),
             Request::TakeTrace => Ok(Response::Trace(self.tracer.take())),
@@ -395,6 +449,10 @@ impl Engine {
             return;
         }
         if self.cfg.elastic {
+            // A joiner that dies before it is admitted is not admitted.
+            if let Some(j) = self.joining.get_mut(peer) {
+                *j = false;
+            }
             self.declare_dead(now, peer, reason, out);
             return;
         }
@@ -446,20 +504,11 @@ impl Engine {
         let msgs = (0..self.ranks)
             .filter(|&p| p != self.rank)
             .map(|p| {
-                let env = Envelope {
-                    from: self.rank,
-                    tag: Tag {
-                        kind: Kind::Control,
-                        seq: 0,
-                        step,
-                    },
-                    meta: Meta {
-                        aux: if abort { culprit } else { 0 },
-                        ..Meta::default()
-                    },
-                    data: Payload::Size(0),
+                let meta = Meta {
+                    aux: if abort { culprit } else { 0 },
+                    ..Meta::default()
                 };
-                (p, env)
+                (p, self.control(step, meta, Payload::Size(0)))
             })
             .collect();
         if self.failed.is_none() {
@@ -478,6 +527,8 @@ impl Engine {
                     *d = true;
                 }
             }
+            join::CONTROL_JOIN => self.on_join(env.from),
+            join::CONTROL_WELCOME => self.on_welcome(now, env, out),
             CONTROL_ABORT if self.cfg.elastic => {
                 self.declare_dead(now, env.from, "it failed and left the job", out);
             }
@@ -541,6 +592,7 @@ impl Engine {
         if self.failed.is_some() {
             return;
         }
+        self.welcome_overdue(now, out);
         if self.liveness_tick(now, out) {
             return;
         }
@@ -580,7 +632,10 @@ impl Engine {
             .and_then(|s| s.waiting_since())
             .map(|t| t + self.cfg.timeout);
         let beat = self.liveness.as_ref().map(|l| l.next_deadline());
-        runs.chain(wait).chain(beat).min()
+        runs.chain(wait)
+            .chain(beat)
+            .chain(self.welcome_deadline())
+            .min()
     }
 
     /// The operation to blame in an error that is not tied to one schedule.

@@ -15,10 +15,12 @@ struct Net {
 
 impl Net {
     fn new(p: usize) -> Net {
+        Net::with_config(p, EngineConfig::default())
+    }
+
+    fn with_config(p: usize, cfg: EngineConfig) -> Net {
         Net {
-            engines: (0..p)
-                .map(|r| Engine::new(r, p, EngineConfig::default()))
-                .collect(),
+            engines: (0..p).map(|r| Engine::new(r, p, cfg)).collect(),
             wire: VecDeque::new(),
             done: Vec::new(),
             sent: Vec::new(),
@@ -241,4 +243,118 @@ fn a_peer_that_said_goodbye_may_close_its_connection() {
     assert!(e.failure().is_none());
     e.on_peer_lost(Duration::ZERO, 1, "connection reset", &mut out);
     assert!(matches!(e.failure(), Some(Error::PeerLost { peer: 1, .. })));
+}
+
+fn stats(net: &mut Net, rank: Rank) -> EngineStats {
+    net.request(rank, 900, Request::Stats);
+    match net.done.pop() {
+        Some((_, 900, Ok(Response::Stats(s)))) => s,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
+    let cfg = EngineConfig {
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let mut net = Net::with_config(3, cfg);
+    open(&mut net, 3, 2);
+    for r in 0..2 {
+        let mut out = Vec::new();
+        net.engines[r].on_peer_lost(Duration::ZERO, 2, "killed", &mut out);
+        net.absorb(r, out);
+    }
+    assert_eq!(stats(&mut net, 0).dead, vec![2]);
+    // A new process takes over rank 2 and announces itself.
+    net.engines[2] = Engine::new(2, 3, cfg);
+    net.request(2, 1, Request::Announce);
+    net.request(
+        2,
+        2,
+        Request::AwaitWelcome {
+            timeout: Duration::from_secs(60),
+        },
+    );
+    net.pump(100);
+    assert_eq!(stats(&mut net, 1).joining, vec![2]);
+    for r in 0..2 {
+        net.request(r, 3, Request::Admit { ranks: vec![2] });
+    }
+    let s0 = stats(&mut net, 0);
+    assert!(s0.dead.is_empty() && s0.joining.is_empty(), "{s0:?}");
+    assert!(!net.done.iter().any(|(r, id, _)| *r == 2 && *id == 2));
+    let welcome = Request::Welcome {
+        to: 2,
+        data: Payload::Data(vec![7.0; 2]),
+        info: vec![40, 5],
+    };
+    net.request(0, 4, welcome);
+    net.pump(100);
+    let i = net.done.iter().position(|(r, id, _)| *r == 2 && *id == 2);
+    match i.map(|i| net.done.remove(i).2) {
+        Some(Ok(Response::Welcome(w))) => {
+            assert_eq!(
+                (w.from, w.data.as_slice(), &w.info[..]),
+                (0, &[7.0, 7.0][..], &[40, 5][..])
+            );
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // An announcement that arrives after the admission changes nothing.
+    let late = net.engines[2].control(join::CONTROL_JOIN, Meta::default(), Payload::Size(0));
+    net.wire.push_back((1, late));
+    net.pump(100);
+    let s1 = stats(&mut net, 1);
+    assert!(s1.dead.is_empty() && s1.joining.is_empty(), "{s1:?}");
+    // The joiner opens the stream its peers have open; round 0 includes it.
+    let cfg2 = StreamConfig {
+        group_size: 3,
+        grouping: GroupingKind::Butterfly,
+        trigger: Trigger::Solo,
+        mode: ContributionMode::Model,
+        read: ReadMode::Latest,
+        sync_period: None,
+        initial: Payload::Data(vec![7.0; 2]),
+        initial_steps: 0,
+    };
+    net.request(2, 5, Request::OpenStream(Box::new(cfg2)));
+    for r in 0..3 {
+        arrive(&mut net, r, 0, [1.0, 2.0, 4.0][r]);
+    }
+    net.pump(1000);
+    for r in 0..3 {
+        let res = net.take_round(r, 0);
+        assert_eq!(res.sum.as_slice(), &[7.0, 7.0], "rank {r}");
+        assert_eq!(res.members.len(), 3, "rank {r}");
+    }
+}
+
+#[test]
+fn a_joiner_that_is_never_welcomed_times_out() {
+    let cfg = EngineConfig {
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(1, 2, cfg);
+    let mut out = Vec::new();
+    e.on_request(Duration::ZERO, 1, Request::Announce, &mut out);
+    out.clear();
+    let wait = Request::AwaitWelcome {
+        timeout: Duration::from_secs(30),
+    };
+    e.on_request(Duration::ZERO, 2, wait, &mut out);
+    assert!(out.is_empty());
+    assert_eq!(e.next_deadline(), Some(Duration::from_secs(30)));
+    e.on_tick(Duration::from_secs(31), &mut out);
+    match &out[..] {
+        [
+            Action::Complete {
+                id: 2,
+                result: Err(Error::Timeout { waited, .. }),
+            },
+        ] => assert_eq!(*waited, Duration::from_secs(31)),
+        other => panic!("unexpected {other:?}"),
+    }
 }

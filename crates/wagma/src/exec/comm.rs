@@ -317,10 +317,8 @@ impl Comm {
 
     /// Opens the wait-avoiding stream.
     pub async fn open_stream(&mut self, cfg: StreamConfig) -> Result<(), Error> {
-        match self.call(Request::OpenStream(Box::new(cfg))).await? {
-            Response::Done => Ok(()),
-            _ => Err(self.unexpected("open stream")),
-        }
+        self.expect_done(Request::OpenStream(Box::new(cfg)), "open stream")
+            .await
     }
 
     /// Arrives at round `round` of the stream with a contribution embodying `steps` local
@@ -349,10 +347,8 @@ impl Comm {
 
     /// Makes this rank a passive AD-PSGD rank starting from `initial`.
     pub async fn open_passive(&mut self, initial: Payload) -> Result<(), Error> {
-        match self.call(Request::OpenPassive { initial }).await? {
-            Response::Done => Ok(()),
-            _ => Err(self.unexpected("open passive")),
-        }
+        self.expect_done(Request::OpenPassive { initial }, "open passive")
+            .await
     }
 
     /// As a passive rank, publishes the model after a local step; returns the corrections the
@@ -386,6 +382,70 @@ impl Comm {
         }
         let dead = self.engine_stats().await?.dead;
         Ok((0..self.size).filter(|r| !dead.contains(r)).collect())
+    }
+
+    /// Rejoining (elastic mode; a process restarted in place of a rank declared dead): tells
+    /// every peer that this process has taken over its rank. Then wait for the welcome with
+    /// [`Comm::await_welcome`]. The protocol: each living rank notes the announcement
+    /// ([`Comm::joining_ranks`]); at a point where nothing is in flight (a global average) the
+    /// living ranks agree on whom to admit (for example by an allreduce of flags), all call
+    /// [`Comm::admit`], one sends each joiner its starting state ([`Comm::welcome`]), and all,
+    /// joiners included, meet in a collective (such as [`Comm::barrier`]) before going on.
+    pub async fn announce_rejoin(&mut self) -> Result<(), Error> {
+        self.expect_done(Request::Announce, "announce").await
+    }
+
+    /// Ranks that restarted and asked to rejoin, as far as this rank has heard (elastic mode).
+    pub async fn joining_ranks(&mut self) -> Result<Vec<Rank>, Error> {
+        Ok(self.engine_stats().await?.joining)
+    }
+
+    /// Includes `ranks` (joiners, see [`Comm::joining_ranks`]) in every collective and round
+    /// from now on. Every living rank admits the same ranks at the same point of its program,
+    /// before a collective that the joiners take part in (such as [`Comm::barrier`]).
+    pub async fn admit(&mut self, ranks: &[Rank]) -> Result<(), Error> {
+        let ranks = ranks.to_vec();
+        self.expect_done(Request::Admit { ranks }, "admit").await
+    }
+
+    /// Sends the admitted joiner `to` the state to start from and the caller's `info` values,
+    /// with this rank's collective sequence number so that the joiner's collectives match.
+    pub async fn welcome(&mut self, to: Rank, data: Payload, info: &[u64]) -> Result<(), Error> {
+        let mut all = Vec::with_capacity(info.len() + 1);
+        all.push(self.collective_seq);
+        all.extend_from_slice(info);
+        let req = Request::Welcome {
+            to,
+            data,
+            info: all,
+        };
+        self.expect_done(req, "welcome").await
+    }
+
+    /// Joiner: waits at most `timeout` to be admitted; returns the state sent by
+    /// [`Comm::welcome`] and its `info` values.
+    pub async fn await_welcome(&mut self, timeout: Duration) -> Result<(Payload, Vec<u64>), Error> {
+        match self.call(Request::AwaitWelcome { timeout }).await? {
+            Response::Welcome(w) => {
+                let Some((&seq, info)) = w.info.split_first() else {
+                    return Err(Error::Protocol {
+                        rank: self.rank,
+                        op: Op::Other("rejoining"),
+                        detail: format!("rank {} sent a welcome without its counters", w.from),
+                    });
+                };
+                self.collective_seq = seq;
+                Ok((w.data, info.to_vec()))
+            }
+            _ => Err(self.unexpected("await welcome")),
+        }
+    }
+
+    async fn expect_done(&mut self, req: Request, what: &'static str) -> Result<(), Error> {
+        match self.call(req).await? {
+            Response::Done => Ok(()),
+            _ => Err(self.unexpected(what)),
+        }
     }
 
     /// The engine's counters.

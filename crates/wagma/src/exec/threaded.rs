@@ -23,12 +23,13 @@ const IDLE: Duration = Duration::from_millis(200);
 /// rank the failure started from) still on its way through the inbox.
 const SEND_FAILURE_GRACE: Duration = Duration::from_millis(500);
 
-/// Peers a send has failed to: later sends to them are skipped, and each is declared lost when
-/// the transport reports it or when its grace period ends, whichever comes first.
+/// Peers a send has failed to and that the engine has not been told about yet: sends to them
+/// are skipped until the transport reports them lost or their grace period ends, whichever
+/// comes first; then the engine decides (it fails, or in elastic mode sends to them no more).
 #[derive(Default)]
 struct Unreachable {
-    /// Peer -> (when to declare it lost, what the failed send saw); `None` once declared.
-    peers: HashMap<Rank, Option<(Duration, String)>>,
+    /// Peer -> (when to declare it lost, what the failed send saw).
+    peers: HashMap<Rank, (Duration, String)>,
 }
 
 impl Unreachable {
@@ -39,28 +40,30 @@ impl Unreachable {
     fn send_failed(&mut self, peer: Rank, now: Duration, reason: String) {
         self.peers
             .entry(peer)
-            .or_insert(Some((now + SEND_FAILURE_GRACE, reason)));
+            .or_insert((now + SEND_FAILURE_GRACE, reason));
     }
 
-    /// The transport reported `peer` lost: its grace period is over.
+    /// The transport reported `peer` lost: the engine is told now.
     fn reported(&mut self, peer: Rank) {
-        self.peers.insert(peer, None);
+        self.peers.remove(&peer);
     }
 
     fn next_deadline(&self) -> Option<Duration> {
-        self.peers.values().flatten().map(|(at, _)| *at).min()
+        self.peers.values().map(|(at, _)| *at).min()
     }
 
     /// Peers whose grace period has ended, with what their failed send saw.
     fn expired(&mut self, now: Duration) -> Vec<(Rank, String)> {
-        let mut due = Vec::new();
-        for (&peer, entry) in &mut self.peers {
-            if entry.as_ref().is_some_and(|(at, _)| *at <= now)
-                && let Some((_, reason)) = entry.take()
-            {
-                due.push((peer, reason));
-            }
-        }
+        let due: Vec<Rank> = self
+            .peers
+            .iter()
+            .filter(|(_, (at, _))| *at <= now)
+            .map(|(&p, _)| p)
+            .collect();
+        let mut due: Vec<(Rank, String)> = due
+            .into_iter()
+            .filter_map(|p| self.peers.remove(&p).map(|(_, reason)| (p, reason)))
+            .collect();
         due.sort_unstable_by_key(|(p, _)| *p);
         due
     }
@@ -475,12 +478,13 @@ mod tests {
         assert_eq!(u.next_deadline(), Some(t0 + SEND_FAILURE_GRACE));
         assert!(u.expired(t0).is_empty());
         u.reported(5);
+        assert!(!u.contains(5));
         assert_eq!(
             u.expired(t0 + SEND_FAILURE_GRACE),
             vec![(3, "broken pipe".to_string())]
         );
+        assert!(!u.contains(3), "the engine decides from now on");
         assert!(u.expired(t0 * 10).is_empty());
         assert_eq!(u.next_deadline(), None);
-        assert!(u.contains(3) && u.contains(5));
     }
 }

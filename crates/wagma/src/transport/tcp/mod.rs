@@ -9,10 +9,11 @@
 //! a reader thread per connection feeds the rank's inbox, the engine thread writes.
 
 mod handshake;
+mod rejoin;
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -44,6 +45,11 @@ pub struct TcpConfig {
     pub io_timeout: Duration,
     /// Largest frame body accepted or sent.
     pub max_frame_bytes: u64,
+    /// This process replaces a rank of a running job that lost it (elastic mode): it asks rank
+    /// 0 for the addresses and connects to every living peer.
+    pub rejoin: bool,
+    /// Keep listening after start-up for restarted peers that rejoin (elastic mode).
+    pub accept_rejoins: bool,
 }
 
 /// Environment variables read by [`TcpConfig::from_env`].
@@ -79,6 +85,8 @@ impl TcpConfig {
             connect_timeout: Duration::from_secs(60),
             io_timeout: Duration::from_secs(60),
             max_frame_bytes: super::DEFAULT_MAX_FRAME,
+            rejoin: false,
+            accept_rejoins: false,
         }
     }
 
@@ -133,11 +141,14 @@ impl TcpConfig {
 pub struct TcpTransport {
     rank: Rank,
     writers: Vec<Option<BufWriter<TcpStream>>>,
+    /// Connections of rejoined peers accepted since the last send, waiting to be used.
+    adopted: Arc<rejoin::Adopted>,
     max_frame: u64,
 }
 
 impl Transport for TcpTransport {
     fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError> {
+        self.adopted.take_into(&mut self.writers);
         let w = self
             .writers
             .get_mut(to)
@@ -218,6 +229,31 @@ fn prepare(s: &TcpStream, deadline: Instant) -> Result<(), TransportError> {
     s.set_write_timeout(Some(left(deadline))).map_err(io)
 }
 
+/// Accepts one waiting connection (the listener is non-blocking) and runs the handshake;
+/// `None` when nobody waits or the connection failed the handshake (refused and logged).
+fn accept_one(
+    listener: &TcpListener,
+    me: Rank,
+    cred: &Credentials,
+    deadline: Instant,
+) -> Result<Option<(Rank, TcpStream)>, TransportError> {
+    match listener.accept() {
+        Ok((mut s, addr)) => {
+            let _ = s.set_nonblocking(false);
+            prepare(&s, deadline.min(Instant::now() + Duration::from_secs(10)))?;
+            match handshake::accept(&mut s, me, cred) {
+                Ok(peer) => Ok(Some((peer, s))),
+                Err(e) => {
+                    tracing::warn!(rank = me, %addr, error = %e, "refused a connection");
+                    Ok(None)
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(TransportError::io("accepting", &e)),
+    }
+}
+
 /// Accepts connections until `want` peers passed the handshake or `deadline`. Connections that
 /// fail the handshake are refused, logged and do not count.
 fn accept_peers(
@@ -239,22 +275,16 @@ fn accept_peers(
                 got.len()
             )));
         }
-        match listener.accept() {
-            Ok((mut s, addr)) => {
-                let _ = s.set_nonblocking(false);
-                prepare(&s, deadline.min(Instant::now() + Duration::from_secs(10)))?;
-                match handshake::accept(&mut s, me, cred) {
-                    Ok(peer) if want(peer) => got.push((peer, s)),
-                    Ok(peer) => {
-                        tracing::warn!(rank = me, %addr, peer, "refused a connection claiming an unexpected rank");
-                    }
-                    Err(e) => tracing::warn!(rank = me, %addr, error = %e, "refused a connection"),
-                }
+        match accept_one(listener, me, cred, deadline)? {
+            Some((peer, s)) if want(peer) => got.push((peer, s)),
+            Some((peer, _)) => {
+                tracing::warn!(
+                    rank = me,
+                    peer,
+                    "refused a connection claiming an unexpected rank"
+                );
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(2))
-            }
-            Err(e) => return Err(TransportError::io("accepting", &e)),
+            None => std::thread::sleep(Duration::from_millis(2)),
         }
     }
     Ok(got)
@@ -301,16 +331,65 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         .local_addr()
         .map_err(|e| TransportError::io("listener address", &e))?;
 
-    let table = match rdv_listener {
-        Some(l) => serve_rendezvous(&l, cfg, my_addr, deadline)?,
-        None => register(rdv, cfg, my_addr, deadline)?,
+    let table = match (&rdv_listener, cfg.rejoin) {
+        (Some(_), true) => {
+            return Err(TransportError::Rendezvous(
+                "rank 0 serves the rendezvous and cannot rejoin a running job".into(),
+            ));
+        }
+        (Some(l), false) => serve_rendezvous(l, cfg, my_addr, deadline)?,
+        (None, rejoin) => register(rdv, cfg, my_addr, deadline, rejoin)?,
     };
+    let streams = if cfg.rejoin {
+        rejoin::connect_to_all(cfg, &table, deadline)?
+    } else {
+        connect_pairs(&listener, cfg, &table, deadline)?
+    };
+    let adopted = Arc::new(rejoin::Adopted::new(p));
+    let link = Link {
+        me,
+        inbox,
+        io_timeout: cfg.io_timeout,
+        max_frame: cfg.max_frame_bytes,
+    };
+    let mut writers = Vec::with_capacity(p);
+    for (peer, st) in streams.into_iter().enumerate() {
+        writers.push(match st {
+            Some(st) => {
+                let (w, r) = link.split(st)?;
+                link.read(peer, r)?;
+                Some(w)
+            }
+            None => None,
+        });
+    }
+    if cfg.accept_rejoins {
+        rejoin::serve_peers(listener, cfg.credentials.clone(), p, link, &adopted)?;
+        if let Some(l) = rdv_listener {
+            rejoin::serve_table(l, cfg.credentials.clone(), table, &adopted)?;
+        }
+    }
+    Ok(TcpTransport {
+        rank: me,
+        writers,
+        adopted,
+        max_frame: cfg.max_frame_bytes,
+    })
+}
 
+/// Start-up: one connection per pair of ranks (the higher connects to the lower), each
+/// authenticated.
+fn connect_pairs(
+    listener: &TcpListener,
+    cfg: &TcpConfig,
+    table: &[SocketAddr],
+    deadline: Instant,
+) -> Result<Vec<Option<TcpStream>>, TransportError> {
+    let (me, p) = (cfg.rank, cfg.world);
     // Accept from higher ranks on a helper thread while connecting to lower ones.
     let (tx, rx) = mpsc::channel();
     let cred = cfg.credentials.clone();
-    std::thread::scope(|s| -> Result<TcpTransport, TransportError> {
-        let listener = &listener;
+    std::thread::scope(|s| {
         s.spawn(move || {
             let r = accept_peers(
                 listener,
@@ -324,15 +403,7 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         });
         let mut streams: Vec<Option<TcpStream>> = (0..p).map(|_| None).collect();
         for (peer, addr) in table.iter().enumerate().take(me) {
-            let mut st = connect_retry(*addr, deadline)?;
-            prepare(&st, deadline)?;
-            let got = handshake::connect(&mut st, me, &cfg.credentials)?;
-            if got != peer {
-                return Err(TransportError::Handshake(format!(
-                    "expected rank {peer} at {addr}, found rank {got}"
-                )));
-            }
-            streams[peer] = Some(st);
+            streams[peer] = Some(connect_to(*addr, peer, cfg, deadline)?);
         }
         let accepted = rx
             .recv()
@@ -345,25 +416,51 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
             }
             streams[peer] = Some(st);
         }
-        let mut writers = Vec::with_capacity(p);
-        for (peer, st) in streams.into_iter().enumerate() {
-            let Some(st) = st else {
-                writers.push(None);
-                continue;
-            };
-            let io = |e: std::io::Error| TransportError::io("configuring a connection", &e);
-            st.set_read_timeout(None).map_err(io)?;
-            st.set_write_timeout(Some(cfg.io_timeout)).map_err(io)?;
-            let reader = st.try_clone().map_err(io)?;
-            spawn_reader(me, peer, reader, inbox.clone(), cfg.max_frame_bytes)?;
-            writers.push(Some(BufWriter::with_capacity(64 * 1024, st)));
-        }
-        Ok(TcpTransport {
-            rank: me,
-            writers,
-            max_frame: cfg.max_frame_bytes,
-        })
+        Ok(streams)
     })
+}
+
+/// Connects to rank `peer` at `addr` and authenticates both ends.
+fn connect_to(
+    addr: SocketAddr,
+    peer: Rank,
+    cfg: &TcpConfig,
+    deadline: Instant,
+) -> Result<TcpStream, TransportError> {
+    let mut st = connect_retry(addr, deadline)?;
+    prepare(&st, deadline)?;
+    let got = handshake::connect(&mut st, cfg.rank, &cfg.credentials)?;
+    if got != peer {
+        return Err(TransportError::Handshake(format!(
+            "expected rank {peer} at {addr}, found rank {got}"
+        )));
+    }
+    Ok(st)
+}
+
+/// What every connection of a rank shares: where its reader delivers, its limits.
+#[derive(Clone)]
+struct Link {
+    me: Rank,
+    inbox: Sender<Incoming>,
+    io_timeout: Duration,
+    max_frame: u64,
+}
+
+impl Link {
+    /// Splits an authenticated connection into its write half and its read half.
+    fn split(&self, st: TcpStream) -> Result<(BufWriter<TcpStream>, TcpStream), TransportError> {
+        let io = |e: std::io::Error| TransportError::io("configuring a connection", &e);
+        st.set_read_timeout(None).map_err(io)?;
+        st.set_write_timeout(Some(self.io_timeout)).map_err(io)?;
+        let reader = st.try_clone().map_err(io)?;
+        Ok((BufWriter::with_capacity(64 * 1024, st), reader))
+    }
+
+    /// Starts the thread that delivers what `peer` sends on `reader` into the inbox.
+    fn read(&self, peer: Rank, reader: TcpStream) -> Result<(), TransportError> {
+        spawn_reader(self.me, peer, reader, self.inbox.clone(), self.max_frame)
+    }
 }
 
 fn spawn_reader(
@@ -408,6 +505,49 @@ fn decode_addr(b: &[u8]) -> Result<SocketAddr, TransportError> {
         .ok_or_else(|| TransportError::Rendezvous("malformed address in the rendezvous".into()))
 }
 
+/// Set in a registration's world size by a process that rejoins a running job.
+const REJOIN_FLAG: u32 = 1 << 31;
+
+/// A registration with rank 0: the world size the registering rank believes in, whether it
+/// rejoins a running job, and the address it listens on.
+struct Registration {
+    world: usize,
+    rejoin: bool,
+    addr: SocketAddr,
+}
+
+fn registration(world: usize, rejoin: bool, addr: &SocketAddr) -> Vec<u8> {
+    let flag = if rejoin { REJOIN_FLAG } else { 0 };
+    let mut msg = (world as u32 | flag).to_le_bytes().to_vec();
+    msg.extend_from_slice(&encode_addr(addr));
+    msg
+}
+
+fn read_registration(s: &mut TcpStream, peer: Rank) -> Result<Registration, TransportError> {
+    let msg = handshake::read_msg(s, 1024)?;
+    let (Some(word), Some(addr)) = (msg.get(..4), msg.get(4..)) else {
+        return Err(TransportError::Rendezvous(format!(
+            "rank {peer} sent a malformed registration"
+        )));
+    };
+    let word = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+    Ok(Registration {
+        world: (word & !REJOIN_FLAG) as usize,
+        rejoin: word & REJOIN_FLAG != 0,
+        addr: decode_addr(addr)?,
+    })
+}
+
+fn encode_table(table: &[SocketAddr]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for a in table {
+        let e = encode_addr(a);
+        body.push(e.len() as u8);
+        body.extend_from_slice(&e);
+    }
+    body
+}
+
 /// Rank 0: collects every rank's address and sends the table back.
 fn serve_rendezvous(
     l: &TcpListener,
@@ -424,16 +564,17 @@ fn serve_rendezvous(
         let Some((peer, mut s)) = batch.pop() else {
             continue;
         };
-        let msg = handshake::read_msg(&mut s, 1024)?;
-        if msg.len() < 4 {
-            return Err(TransportError::Rendezvous(format!(
-                "rank {peer} sent a malformed registration"
-            )));
+        let reg = read_registration(&mut s, peer)?;
+        if reg.rejoin {
+            tracing::warn!(peer, "refused a rejoin while the job is still starting");
+            let _ = handshake::write_msg(&mut s, b"!the job is still starting");
+            continue;
         }
-        let world = u32::from_le_bytes([msg[0], msg[1], msg[2], msg[3]]) as usize;
-        if world != p {
-            let err =
-                format!("rank {peer} believes the job has {world} ranks, rank 0 believes {p}");
+        if reg.world != p {
+            let err = format!(
+                "rank {peer} believes the job has {} ranks, rank 0 believes {p}",
+                reg.world
+            );
             let _ = handshake::write_msg(&mut s, format!("!{err}").as_bytes());
             return Err(TransportError::Rendezvous(err));
         }
@@ -443,16 +584,11 @@ fn serve_rendezvous(
                 "two processes claim rank {peer}"
             )));
         }
-        table[peer] = Some(decode_addr(&msg[4..])?);
+        table[peer] = Some(reg.addr);
         conns.push(s);
     }
     let table: Vec<SocketAddr> = table.into_iter().flatten().collect();
-    let mut body = Vec::new();
-    for a in &table {
-        let e = encode_addr(a);
-        body.push(e.len() as u8);
-        body.extend_from_slice(&e);
-    }
+    let body = encode_table(&table);
     for mut s in conns {
         handshake::write_msg(&mut s, &body)?;
     }
@@ -465,6 +601,7 @@ fn register(
     cfg: &TcpConfig,
     mine: SocketAddr,
     deadline: Instant,
+    rejoin: bool,
 ) -> Result<Vec<SocketAddr>, TransportError> {
     let mut s = connect_retry(rdv, deadline)?;
     prepare(&s, deadline)?;
@@ -474,9 +611,7 @@ fn register(
             "the rendezvous answered as rank {peer}"
         )));
     }
-    let mut msg = (cfg.world as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(&encode_addr(&mine));
-    handshake::write_msg(&mut s, &msg)?;
+    handshake::write_msg(&mut s, &registration(cfg.world, rejoin, &mine))?;
     let body = handshake::read_msg(&mut s, 64 * cfg.world + 64)?;
     if body.first() == Some(&b'!') {
         return Err(TransportError::Rendezvous(

@@ -1,0 +1,237 @@
+//! Rejoining (elastic mode): a restarted process takes over the rank of one that was declared
+//! dead.
+//!
+//! The joiner announces itself to every peer ([`Request::Announce`]); each living engine
+//! notes it as joining ([`EngineStats::joining`]). The compute sides agree on whom to admit
+//! at a point of their choosing (a blocking collective among the living), admit them
+//! ([`Request::Admit`]) so that every later collective and round includes them, and one of
+//! them sends each joiner a welcome ([`Request::Welcome`]): the model to start from and the
+//! counters that must match (the number of streams opened, the peers still dead, and the
+//! caller's own values). The joiner's compute side waits for it ([`Request::AwaitWelcome`]).
+//!
+//! [`Request::Announce`]: super::Request::Announce
+//! [`Request::Admit`]: super::Request::Admit
+//! [`Request::Welcome`]: super::Request::Welcome
+//! [`Request::AwaitWelcome`]: super::Request::AwaitWelcome
+//! [`EngineStats::joining`]: super::EngineStats::joining
+
+use super::{Action, Engine, ReqId, Response, Time};
+use crate::Rank;
+use crate::error::{Error, Op};
+use crate::payload::Payload;
+use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+
+/// Step of the control message a restarted rank sends to announce itself.
+pub(super) const CONTROL_JOIN: u16 = 3;
+/// Step of the control message that admits a joiner and carries its starting state.
+pub(super) const CONTROL_WELCOME: u16 = 4;
+
+/// What a joiner receives: the model to start from and the values its peers agreed on.
+#[derive(Debug)]
+pub struct Welcome {
+    /// The rank that sent the welcome.
+    pub from: Rank,
+    /// The state to start from, as the sender laid it out.
+    pub data: Payload,
+    /// The sender's values, in order.
+    pub info: Vec<u64>,
+}
+
+/// A joiner's compute side waiting for its welcome.
+pub(super) struct WelcomeWaiter {
+    id: ReqId,
+    since: Time,
+    deadline: Time,
+}
+
+/// The header of a welcome travels in the message's contribution list (which every transport
+/// already carries): first the number `d` of dead peers, then `d` entries naming them, then the
+/// caller's values.
+fn encode(dead: &[Rank], info: &[u64]) -> Vec<Contribution> {
+    let mut v = Vec::with_capacity(1 + dead.len() + info.len());
+    v.push(Contribution {
+        rank: 0,
+        steps: dead.len() as u64,
+    });
+    v.extend(dead.iter().map(|&rank| Contribution { rank, steps: 0 }));
+    v.extend(info.iter().map(|&steps| Contribution { rank: 0, steps }));
+    v
+}
+
+fn decode(c: &[Contribution]) -> Option<(Vec<Rank>, Vec<u64>)> {
+    let d = usize::try_from(c.first()?.steps).ok()?;
+    let dead = c.get(1..1 + d)?.iter().map(|x| x.rank).collect();
+    let info = c.get(1 + d..)?.iter().map(|x| x.steps).collect();
+    Some((dead, info))
+}
+
+impl Engine {
+    /// Joiner: tells every peer that this process has taken over its rank. Until welcomed, it
+    /// hears from no one (its peers count it dead), so silence does not make peers dead.
+    pub(super) fn announce(&mut self, out: &mut Vec<Action>) {
+        self.rejoining = true;
+        let me = self.rank;
+        for p in (0..self.ranks).filter(|&p| p != me) {
+            let env = self.control(CONTROL_JOIN, Meta::default(), Payload::Size(0));
+            self.send(p, env, out);
+        }
+    }
+
+    /// A peer announced that it restarted. Only a peer declared dead can rejoin: the loss of
+    /// its old incarnation reaches this rank before the new one's announcement, and an
+    /// announcement that arrives after the others admitted it changes nothing.
+    pub(super) fn on_join(&mut self, from: Rank) {
+        if self.cfg.elastic && self.dead.get(from).copied().unwrap_or(false) {
+            tracing::info!(rank = self.rank, peer = from, "rank {from} asks to rejoin");
+            self.joining[from] = true;
+        }
+    }
+
+    /// Includes `ranks` (announced joiners) in every collective and round from now on. A joiner
+    /// this rank has not heard from yet was still counted alive here only because the loss of
+    /// its old incarnation had not reached it; admitting it is the same.
+    pub(super) fn admit(&mut self, now: Time, ranks: &[Rank]) -> Result<(), Error> {
+        if let Some(&r) = ranks.iter().find(|&&r| r >= self.ranks || r == self.rank) {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                op: Op::Other("admitting a rank"),
+                detail: format!("rank {r} is not a peer of this job"),
+            });
+        }
+        for &r in ranks {
+            self.dead[r] = false;
+            self.departed[r] = false;
+            self.joining[r] = false;
+            // Whatever the old incarnation left unread belongs to rounds long finished.
+            self.unexpected.retain(|(_, from), _| *from != r);
+            if let Some(l) = self.liveness.as_mut() {
+                l.restart(r, now);
+            }
+            tracing::info!(
+                rank = self.rank,
+                peer = r,
+                "admitted rank {r} back into the job"
+            );
+        }
+        Ok(())
+    }
+
+    /// Sends `to` (just admitted) the state to start from, with this engine's counters.
+    pub(super) fn welcome(&mut self, to: Rank, data: Payload, info: &[u64], out: &mut Vec<Action>) {
+        let meta = Meta {
+            total_len: data.len() as u64,
+            aux: self.opened_streams,
+            contributions: encode(&self.dead(), info),
+            ..Meta::default()
+        };
+        let env = self.control(CONTROL_WELCOME, meta, data);
+        self.send(to, env, out);
+    }
+
+    pub(super) fn on_welcome(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
+        let Some((dead, info)) = decode(&env.meta.contributions) else {
+            let err = Error::Protocol {
+                rank: self.rank,
+                op: Op::Other("rejoining"),
+                detail: format!("rank {} sent a malformed welcome", env.from),
+            };
+            self.fail(err, out);
+            return;
+        };
+        self.rejoining = false;
+        if let Some(l) = self.liveness.as_mut() {
+            for p in 0..self.ranks {
+                l.restart(p, now);
+            }
+        }
+        // Streams this rank opens from now on are the ones its peers have open.
+        self.opened_streams = env.meta.aux.saturating_sub(1);
+        for r in dead
+            .into_iter()
+            .filter(|&r| r < self.ranks && r != self.rank)
+        {
+            self.dead[r] = true;
+        }
+        self.welcome = Some(Welcome {
+            from: env.from,
+            data: env.data.duplicate(),
+            info,
+        });
+        self.deliver_welcome(out);
+    }
+
+    /// Joiner: answers `id` with the welcome once it is here (or fails it at `deadline`).
+    pub(super) fn await_welcome(
+        &mut self,
+        now: Time,
+        id: ReqId,
+        timeout: std::time::Duration,
+        out: &mut Vec<Action>,
+    ) {
+        self.welcome_waiter = Some(WelcomeWaiter {
+            id,
+            since: now,
+            deadline: now + timeout,
+        });
+        self.deliver_welcome(out);
+    }
+
+    fn deliver_welcome(&mut self, out: &mut Vec<Action>) {
+        if self.welcome.is_some()
+            && let Some(w) = self.welcome_waiter.take()
+            && let Some(welcome) = self.welcome.take()
+        {
+            self.complete(w.id, Ok(Response::Welcome(welcome)), out);
+        }
+    }
+
+    /// Fails the wait for a welcome that did not come in time.
+    pub(super) fn welcome_overdue(&mut self, now: Time, out: &mut Vec<Action>) {
+        if self
+            .welcome_waiter
+            .as_ref()
+            .is_some_and(|w| now >= w.deadline)
+            && let Some(w) = self.welcome_waiter.take()
+        {
+            let err = Error::Timeout {
+                rank: self.rank,
+                op: Op::Other("waiting to be admitted back into the job"),
+                waited: now.saturating_sub(w.since),
+                missing: (0..self.ranks).filter(|&p| p != self.rank).collect(),
+            };
+            self.complete(w.id, Err(err), out);
+        }
+    }
+
+    /// The welcome wait's deadline, if a joiner waits.
+    pub(super) fn welcome_deadline(&self) -> Option<Time> {
+        self.welcome_waiter.as_ref().map(|w| w.deadline)
+    }
+
+    pub(super) fn control(&self, step: u16, meta: Meta, data: Payload) -> Envelope {
+        Envelope {
+            from: self.rank,
+            tag: Tag {
+                kind: Kind::Control,
+                seq: 0,
+                step,
+            },
+            meta,
+            data,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_welcome_header_round_trips() {
+        let c = encode(&[2, 5], &[40, 7, u64::MAX]);
+        assert_eq!(decode(&c), Some((vec![2, 5], vec![40, 7, u64::MAX])));
+        assert_eq!(decode(&encode(&[], &[])), Some((vec![], vec![])));
+        assert_eq!(decode(&c[..2]), None);
+        assert_eq!(decode(&[]), None);
+    }
+}
