@@ -185,20 +185,35 @@ impl Engine {
         }
     }
 
-    /// Fails the wait for a welcome that did not come in time.
-    pub(super) fn welcome_overdue(&mut self, now: Time, out: &mut Vec<Action>) {
-        if self
-            .welcome_waiter
-            .as_ref()
-            .is_some_and(|w| now >= w.deadline)
-            && let Some(w) = self.welcome_waiter.take()
-        {
-            let err = Error::Timeout {
-                rank: self.rank,
-                op: Op::Other("waiting to be admitted back into the job"),
+    /// Fails the wait for a welcome that did not come in time, or that can no longer come
+    /// because every peer has left the job or died.
+    pub(super) fn check_welcome(&mut self, now: Time, out: &mut Vec<Action>) {
+        let Some(w) = &self.welcome_waiter else {
+            return;
+        };
+        let me = self.rank;
+        let nobody = (0..self.ranks)
+            .filter(|&p| p != me)
+            .all(|p| self.dead[p] || self.departed[p]);
+        let op = Op::Other("waiting to be admitted back into the job");
+        let err = if nobody && self.ranks > 1 {
+            Error::PeerLost {
+                rank: me,
+                peer: if me == 0 { 1 } else { 0 },
+                op,
+                reason: "every peer has left the job or died".into(),
+            }
+        } else if now >= w.deadline {
+            Error::Timeout {
+                rank: me,
+                op,
                 waited: now.saturating_sub(w.since),
-                missing: (0..self.ranks).filter(|&p| p != self.rank).collect(),
-            };
+                missing: (0..self.ranks).filter(|&p| p != me).collect(),
+            }
+        } else {
+            return;
+        };
+        if let Some(w) = self.welcome_waiter.take() {
             self.complete(w.id, Err(err), out);
         }
     }

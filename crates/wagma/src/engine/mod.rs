@@ -592,7 +592,7 @@ impl Engine {
         if self.failed.is_some() {
             return;
         }
-        self.welcome_overdue(now, out);
+        self.check_welcome(now, out);
         if self.liveness_tick(now, out) {
             return;
         }

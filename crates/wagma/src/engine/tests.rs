@@ -358,3 +358,35 @@ fn a_joiner_that_is_never_welcomed_times_out() {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+#[test]
+fn a_joiner_stops_waiting_when_every_peer_has_left() {
+    let cfg = EngineConfig {
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(2, 3, cfg);
+    let mut out = Vec::new();
+    e.on_request(Duration::ZERO, 1, Request::Announce, &mut out);
+    let wait = Request::AwaitWelcome {
+        timeout: Duration::from_secs(600),
+    };
+    e.on_request(Duration::ZERO, 2, wait, &mut out);
+    out.clear();
+    for p in 0..2 {
+        let bye = Engine::new(p, 3, cfg).farewell(false);
+        let (_, env) = bye.into_iter().find(|(to, _)| *to == 2).unwrap();
+        e.on_message(Duration::from_secs(1), env, &mut out);
+        e.on_tick(Duration::from_secs(1), &mut out);
+        assert_eq!(out.is_empty(), p == 0, "after rank {p} left");
+    }
+    match &out[..] {
+        [
+            Action::Complete {
+                id: 2,
+                result: Err(Error::PeerLost { reason, .. }),
+            },
+        ] => assert!(reason.contains("every peer"), "{reason}"),
+        other => panic!("unexpected {other:?}"),
+    }
+}
