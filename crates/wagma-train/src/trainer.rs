@@ -289,16 +289,22 @@ struct Shared<'a, W: Workload> {
     observer: &'a dyn Observer,
 }
 
+/// Joins the MPI job this process was started in; an error when built without MPI support.
 #[cfg(feature = "mpi")]
-fn connect_mpi(engine: EngineConfig) -> Result<(Comm, std::thread::JoinHandle<()>), TrainError> {
+pub fn connect_mpi(
+    engine: EngineConfig,
+) -> Result<(Comm, std::thread::JoinHandle<()>), TrainError> {
     Ok(threaded::connect_mpi(
         engine,
         wagma::transport::DEFAULT_MAX_FRAME,
     )?)
 }
 
+/// Joins the MPI job this process was started in; an error when built without MPI support.
 #[cfg(not(feature = "mpi"))]
-fn connect_mpi(_engine: EngineConfig) -> Result<(Comm, std::thread::JoinHandle<()>), TrainError> {
+pub fn connect_mpi(
+    _engine: EngineConfig,
+) -> Result<(Comm, std::thread::JoinHandle<()>), TrainError> {
     Err(TrainError::Config(
         "this build has no MPI support (build with --features mpi)".into(),
     ))

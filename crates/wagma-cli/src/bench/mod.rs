@@ -126,24 +126,11 @@ where
         }
         TransportKind::Tcp => Ok(Some(run_tcp_workers(ranks)?)),
         TransportKind::Mpi if crate::mpirun::under_mpi() => {
-            let (c, engine) = connect_mpi(cfg)?;
+            let (c, engine) = wagma_train::trainer::connect_mpi(cfg)?;
             run_rank(c, engine, ranks, task)
         }
         TransportKind::Mpi => Ok(Some(crate::mpirun::run_and_collect(ranks)?)),
     }
-}
-
-#[cfg(feature = "mpi")]
-fn connect_mpi(cfg: EngineConfig) -> anyhow::Result<(Comm, std::thread::JoinHandle<()>)> {
-    Ok(threaded::connect_mpi(
-        cfg,
-        wagma::transport::DEFAULT_MAX_FRAME,
-    )?)
-}
-
-#[cfg(not(feature = "mpi"))]
-fn connect_mpi(_cfg: EngineConfig) -> anyhow::Result<(Comm, std::thread::JoinHandle<()>)> {
-    anyhow::bail!("this wagma was built without MPI support (build it with --features mpi)")
 }
 
 /// One rank of a multi-process job: runs `task`; rank 0 prints the result for the process that
