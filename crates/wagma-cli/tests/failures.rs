@@ -1,8 +1,8 @@
 //! Failures of real processes over TCP: a rank killed mid-run ends the job within the timeout
 //! with errors that name it; with elastic continuation the survivors finish and still learn.
 //!
-//! `WAGMA_STRESS=N` repeats the kill test N times (for example 50) with varying victims and
-//! kill times, and prints the counts.
+//! `WAGMA_STRESS=N` repeats the kill test and the rejoin test N times (for example 50) with
+//! varying victims and kill times, and prints the counts.
 
 mod common;
 use common::{stress_reps, tmp, wagma};
@@ -289,13 +289,25 @@ fn alive_at_evaluations(out: &Path) -> Vec<(u64, u64)> {
 
 #[test]
 fn a_restarted_rank_rejoins_an_elastic_job_at_a_global_average() {
-    let (ranks, steps, victim) = (4, 400, 2);
-    let dir = tmp("rejoin");
+    let reps = stress_reps(1);
+    for rep in 0..reps {
+        rejoin_once(rep);
+    }
+    eprintln!("{reps} kills and rejoins: all ranks finished every time");
+}
+
+/// Kills one of 4 elastic TCP ranks (varying with `rep`), restarts it with `--rejoin`, and
+/// checks that it rejoined at a global average and that the job finished with all 4.
+fn rejoin_once(rep: u64) {
+    let (ranks, steps) = (4, 400);
+    let victim = 1 + rep as usize % (ranks - 1);
+    let dir = tmp(&format!("rejoin-{rep}"));
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("out");
     let args = train_args(&out, steps, 20, &["--elastic", "--timeout", "20"]);
     let (mut children, rdv) = spawn_job(ranks, &args, &dir);
-    assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= 100));
+    let kill_after = 100 + (rep * 20) % 100;
+    assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= kill_after));
     children[victim].kill().unwrap();
     let _ = children[victim].wait();
     let killed_after = evaluated(&out);
@@ -307,12 +319,12 @@ fn a_restarted_rank_rejoins_an_elastic_job_at_a_global_average() {
     }));
     let mut rejoin_args = args.clone();
     rejoin_args.push("--rejoin".into());
-    let log = dir.join("rank-2-rejoined.log");
+    let log = dir.join(format!("rank-{victim}-rejoined.log"));
     children[victim] = spawn_rank(victim, ranks, &rdv, &rejoin_args, &log);
     let status = wait_all(&mut children, Duration::from_secs(600));
     for (rank, s) in status.iter().enumerate() {
         let name = if rank == victim {
-            "rank-2-rejoined.log".to_string()
+            format!("rank-{victim}-rejoined.log")
         } else {
             format!("rank-{rank}.log")
         };
@@ -343,7 +355,7 @@ fn a_restarted_rank_rejoins_an_elastic_job_at_a_global_average() {
     let (acc, alive_at_end) = outcome(&out);
     assert_eq!(alive_at_end, 4);
     eprintln!(
-        "rank {victim} killed after iteration {killed_after}, rejoined at {rejoined_at}; final accuracy {acc:.4}"
+        "rep {rep}: rank {victim} killed after iteration {killed_after}, rejoined at {rejoined_at}; final accuracy {acc:.4}"
     );
     assert!(acc > 0.8, "final accuracy {acc:.4}");
     let _ = std::fs::remove_dir_all(&dir);

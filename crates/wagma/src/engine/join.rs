@@ -87,7 +87,9 @@ impl Engine {
         }
     }
 
-    /// Includes `ranks` (announced joiners) in every collective and round from now on. A joiner
+    /// Includes `ranks` (announced joiners) in every collective and round from now on. What a
+    /// joiner has already sent is kept: peers admitted it earlier may have welcomed it, and it
+    /// may already be in the collective that follows the admission. A joiner
     /// this rank has not heard from yet was still counted alive here only because the loss of
     /// its old incarnation had not reached it; admitting it is the same.
     pub(super) fn admit(&mut self, now: Time, ranks: &[Rank]) -> Result<(), Error> {
@@ -102,8 +104,6 @@ impl Engine {
             self.dead[r] = false;
             self.departed[r] = false;
             self.joining[r] = false;
-            // Whatever the old incarnation left unread belongs to rounds long finished.
-            self.unexpected.retain(|(_, from), _| *from != r);
             if let Some(l) = self.liveness.as_mut() {
                 l.restart(r, now);
             }

@@ -570,6 +570,9 @@ impl Engine {
             return;
         }
         self.dead[peer] = true;
+        // What it sent for operations not started here will never be used; a process that
+        // rejoins in its place starts afresh.
+        self.unexpected.retain(|(_, from), _| *from != peer);
         tracing::warn!(
             rank = self.rank,
             peer,

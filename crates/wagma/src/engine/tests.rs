@@ -279,9 +279,8 @@ fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
     );
     net.pump(100);
     assert_eq!(stats(&mut net, 1).joining, vec![2]);
-    for r in 0..2 {
-        net.request(r, 3, Request::Admit { ranks: vec![2] });
-    }
+    // Rank 0 admits and welcomes the joiner before rank 1 gets to its admission.
+    net.request(0, 3, Request::Admit { ranks: vec![2] });
     let s0 = stats(&mut net, 0);
     assert!(s0.dead.is_empty() && s0.joining.is_empty(), "{s0:?}");
     assert!(!net.done.iter().any(|(r, id, _)| *r == 2 && *id == 2));
@@ -301,6 +300,31 @@ fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
             );
         }
         other => panic!("unexpected {other:?}"),
+    }
+    // The joiner is already in the collective that follows the admission when rank 1 admits it.
+    let barrier = |r: Rank| Request::Run {
+        kind: Kind::Collective,
+        seq: 43,
+        schedule: crate::schedule::exchange_among(r, 0..3, 1),
+        data: Payload::Data(vec![r as f32 + 1.0]),
+        weight: 0.0,
+        steps: 0,
+    };
+    net.request(2, 6, barrier(2));
+    net.pump(100);
+    net.request(1, 3, Request::Admit { ranks: vec![2] });
+    for r in 0..2 {
+        net.request(r, 6, barrier(r));
+    }
+    net.pump(100);
+    for r in 0..3 {
+        let i = net.done.iter().position(|(q, id, _)| *q == r && *id == 6);
+        match i.map(|i| net.done.remove(i).2) {
+            Some(Ok(Response::Data { data, .. })) => {
+                assert_eq!(data.as_slice(), &[6.0], "rank {r}")
+            }
+            other => panic!("rank {r}: unexpected {other:?}"),
+        }
     }
     // An announcement that arrives after the admission changes nothing.
     let late = net.engines[2].control(join::CONTROL_JOIN, Meta::default(), Payload::Size(0));
