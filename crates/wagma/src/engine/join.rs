@@ -60,8 +60,9 @@ fn encode(dead: &[Rank], info: &[u64]) -> Vec<Contribution> {
 
 fn decode(c: &[Contribution]) -> Option<(Vec<Rank>, Vec<u64>)> {
     let d = usize::try_from(c.first()?.steps).ok()?;
-    let dead = c.get(1..1 + d)?.iter().map(|x| x.rank).collect();
-    let info = c.get(1 + d..)?.iter().map(|x| x.steps).collect();
+    let end = d.checked_add(1)?;
+    let dead = c.get(1..end)?.iter().map(|x| x.rank).collect();
+    let info = c.get(end..)?.iter().map(|x| x.steps).collect();
     Some((dead, info))
 }
 
@@ -88,10 +89,10 @@ impl Engine {
     }
 
     /// Includes `ranks` (announced joiners) in every collective and round from now on. What a
-    /// joiner has already sent is kept: peers admitted it earlier may have welcomed it, and it
-    /// may already be in the collective that follows the admission. A joiner
-    /// this rank has not heard from yet was still counted alive here only because the loss of
-    /// its old incarnation had not reached it; admitting it is the same.
+    /// joiner has already sent is kept: peers that admitted it earlier may have welcomed it, and
+    /// it may already be in the collective that follows the admission. A joiner this rank has
+    /// not heard from yet was still counted alive here only because the loss of its old
+    /// incarnation had not reached it; admitting it is the same.
     pub(super) fn admit(&mut self, now: Time, ranks: &[Rank]) -> Result<(), Error> {
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.ranks || r == self.rank) {
             return Err(Error::Protocol {
@@ -129,6 +130,14 @@ impl Engine {
     }
 
     pub(super) fn on_welcome(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
+        if !self.rejoining {
+            tracing::warn!(
+                rank = self.rank,
+                peer = env.from,
+                "ignored a welcome: this rank did not ask to rejoin"
+            );
+            return;
+        }
         let Some((dead, info)) = decode(&env.meta.contributions) else {
             let err = Error::Protocol {
                 rank: self.rank,
@@ -146,11 +155,13 @@ impl Engine {
         }
         // Streams this rank opens from now on are the ones its peers have open.
         self.opened_streams = env.meta.aux.saturating_sub(1);
-        for r in dead
-            .into_iter()
-            .filter(|&r| r < self.ranks && r != self.rank)
-        {
-            self.dead[r] = true;
+        for r in dead {
+            self.declare_dead(
+                now,
+                r,
+                "its peers had lost it when they admitted this rank",
+                out,
+            );
         }
         self.welcome = Some(Welcome {
             from: env.from,
@@ -248,5 +259,10 @@ mod tests {
         assert_eq!(decode(&encode(&[], &[])), Some((vec![], vec![])));
         assert_eq!(decode(&c[..2]), None);
         assert_eq!(decode(&[]), None);
+        let huge = [Contribution {
+            rank: 0,
+            steps: u64::MAX,
+        }];
+        assert_eq!(decode(&huge), None);
     }
 }

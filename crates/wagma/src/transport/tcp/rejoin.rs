@@ -70,7 +70,8 @@ impl Adopted {
 }
 
 /// Runs `serve` on a background thread for as long as `alive` has other owners (the
-/// transport); `serve` answers whether to go on.
+/// transport); `serve` answers whether it handled a connection (then it is called again at
+/// once) or found none waiting.
 fn background(
     name: String,
     listener: TcpListener,
@@ -85,17 +86,15 @@ fn background(
         .name(name)
         .spawn(move || {
             while let Some(adopted) = weak.upgrade() {
-                match serve(&listener, &adopted) {
+                let served = serve(&listener, &adopted);
+                drop(adopted);
+                match served {
                     Ok(true) => continue,
-                    Ok(false) => {
-                        drop(adopted);
-                        std::thread::sleep(LISTEN_POLL);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "stopped accepting rejoining ranks");
-                        return;
-                    }
+                    Ok(false) => {}
+                    // One failed connection attempt must not close the door to the next.
+                    Err(e) => tracing::warn!(error = %e, "a connection attempt failed"),
                 }
+                std::thread::sleep(LISTEN_POLL);
             }
         })
         .map(|_| ())
