@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use clap::{Args as ClapArgs, Subcommand};
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
-use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
+use wagma::algo::{AlgoConfig, Algorithm};
 use wagma::imbalance::{Imbalance, Profile};
 use wagma_sim::compute::{Compute, Trace};
 use wagma_sim::{LogGp, SimResult, SimSpec, simulate};
@@ -126,21 +126,7 @@ impl Common {
 
     /// The algorithm called `name`, with these options.
     pub fn algo(&self, name: &str, ranks: usize) -> anyhow::Result<AlgoConfig> {
-        let mut a = Algorithm::from_name(name)?;
-        match &mut a {
-            Algorithm::Wagma(o) => {
-                *o = WagmaOptions {
-                    tau: Some(self.tau),
-                    ..WagmaOptions::default()
-                }
-            }
-            Algorithm::Sgp { peers } => *peers = self.peers,
-            _ => {}
-        }
-        a.validate(ranks)?;
-        let mut c = AlgoConfig::new(a);
-        c.seed = self.seed;
-        Ok(c)
+        crate::bench::algo_config(name, ranks, None, self.tau, self.peers, self.seed)
     }
 
     /// The simulation of `name` on `ranks` ranks over `network` with `compute` (both resolved

@@ -11,7 +11,7 @@ use comfy_table::Table;
 use serde::{Deserialize, Serialize};
 use wagma::Comm;
 use wagma::algo::measure::{self, JobStats, Spec};
-use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions, bound_wall, ideal_wall};
+use wagma::algo::{AlgoConfig, Algorithm, bound_wall, ideal_wall};
 use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::default_group_size;
 
@@ -103,22 +103,14 @@ fn algorithms(args: &Args) -> anyhow::Result<Vec<AlgoConfig>> {
     names
         .iter()
         .map(|n| {
-            let mut a = Algorithm::from_name(n.trim())?;
-            match &mut a {
-                Algorithm::Wagma(o) => {
-                    *o = WagmaOptions {
-                        group_size: args.group_size,
-                        tau: Some(args.tau),
-                        ..WagmaOptions::default()
-                    }
-                }
-                Algorithm::Sgp { peers } => *peers = args.peers,
-                _ => {}
-            }
-            a.validate(args.ranks)?;
-            let mut cfg = AlgoConfig::new(a);
-            cfg.seed = args.seed;
-            Ok(cfg)
+            super::algo_config(
+                n,
+                args.ranks,
+                args.group_size,
+                args.tau,
+                args.peers,
+                args.seed,
+            )
         })
         .collect()
 }

@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Subcommand, ValueEnum};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
 use wagma::exec::threaded;
 use wagma::transport::tcp::TcpConfig;
 use wagma::{Comm, EngineConfig, Payload, block_on};
@@ -78,6 +79,35 @@ fn is_worker() -> bool {
 /// than start its own ranks. Conflicting launcher variables are an error.
 fn started_as_rank() -> anyhow::Result<bool> {
     Ok(wagma::transport::discover::discover_env()?.is_some())
+}
+
+/// The algorithm `name` as the throughput benchmarks and the simulator run it: WAGMA with
+/// group size `group_size` (`None`: the default) and period `tau`, SGP with `peers` peers,
+/// every other algorithm with its defaults; checked against `ranks`.
+pub fn algo_config(
+    name: &str,
+    ranks: usize,
+    group_size: Option<usize>,
+    tau: u64,
+    peers: usize,
+    seed: u64,
+) -> anyhow::Result<AlgoConfig> {
+    let mut a = Algorithm::from_name(name.trim())?;
+    match &mut a {
+        Algorithm::Wagma(o) => {
+            *o = WagmaOptions {
+                group_size,
+                tau: Some(tau),
+                ..WagmaOptions::default()
+            }
+        }
+        Algorithm::Sgp { peers: n } => *n = peers,
+        _ => {}
+    }
+    a.validate(ranks)?;
+    let mut c = AlgoConfig::new(a);
+    c.seed = seed;
+    Ok(c)
 }
 
 /// Engine settings of the benchmarks: a generous timeout, for slow shared machines.

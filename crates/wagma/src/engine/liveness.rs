@@ -35,9 +35,8 @@ impl Liveness {
             }
             j += 1;
         }
-        if ranks > 1 {
-            watched[(rank + 1) % ranks] = true;
-            watched[(rank + ranks - 1) % ranks] = true;
+        for n in crate::topology::ring_neighbors(rank, ranks) {
+            watched[n] = true;
         }
         if let Some(w) = watched.get_mut(rank) {
             *w = false;
