@@ -1,7 +1,7 @@
 //! The `wagma` command end to end, on tiny settings so that it cannot rot.
 
 mod common;
-use common::{bench_collectives_rows, launch_tcp_train, ok, tmp, wagma};
+use common::{bench_collectives_rows, launch_tcp_train, ok, ok_json, tmp, wagma};
 
 #[test]
 fn bench_collectives_runs_over_mem_and_tcp() {
@@ -53,12 +53,7 @@ fn bench_imbalance_runs_every_algorithm_over_mem_and_tcp() {
             ])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = ok_json(&out);
         let rows = v["rows"].as_array().unwrap();
         assert_eq!(rows.len(), 8);
         let ideal = v["ideal_samples_per_s"].as_f64().unwrap();
@@ -139,8 +134,7 @@ fn a_benchmark_started_by_a_launcher_joins_its_job() {
         .args(["--model-params", "1000", "--profile", "none", "--json"])
         .output()
         .unwrap();
-    ok(&out);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = ok_json(&out);
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     assert_eq!(rows[0]["measured"]["ranks"], 3, "{v}");

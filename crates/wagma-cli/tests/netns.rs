@@ -39,6 +39,21 @@ fn can_make_namespaces() -> bool {
     ok
 }
 
+/// Runs the sweep, checks that it succeeded and returns its output lines as JSON documents.
+fn sweep_lines(wagma: &str, extra: &[(&str, &str)]) -> Vec<serde_json::Value> {
+    let out = sweep(wagma, extra);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn sweep(wagma: &str, extra: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new("bash");
     cmd.arg(script())
@@ -61,21 +76,11 @@ fn training_runs_across_four_namespaces_and_they_are_removed() {
         return;
     }
     let before = namespaces();
-    let out = sweep(
+    let rows = sweep_lines(
         env!("CARGO_BIN_EXE_wagma"),
         &[("ALGOS", "wagma allreduce-sgd")],
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), 2, "{stdout}");
+    assert_eq!(rows.len(), 2, "{rows:?}");
     for r in &rows {
         assert!(r["samples_per_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["final_metrics"]["accuracy"].as_f64().is_some(), "{r}");
@@ -103,7 +108,7 @@ fn the_benchmark_runs_one_job_across_four_namespaces() {
     if !can_make_namespaces() {
         return;
     }
-    let out = sweep(
+    let lines = sweep_lines(
         env!("CARGO_BIN_EXE_wagma"),
         &[
             ("MODE", "bench"),
@@ -111,20 +116,10 @@ fn the_benchmark_runs_one_job_across_four_namespaces() {
             ("ALGOS", "wagma allreduce-sgd"),
         ],
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     // One line for the one rate and delay, with one named row per algorithm.
-    let lines: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 1, "{stdout}");
+    assert_eq!(lines.len(), 1, "{lines:?}");
     let rows = lines[0]["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{stdout}");
-    assert_eq!(rows[0]["algo"], "wagma tau=10", "{stdout}");
-    assert_eq!(rows[1]["vs_allreduce"], 1.0, "{stdout}");
+    assert_eq!(rows.len(), 2, "{lines:?}");
+    assert_eq!(rows[0]["algo"], "wagma tau=10", "{lines:?}");
+    assert_eq!(rows[1]["vs_allreduce"], 1.0, "{lines:?}");
 }

@@ -50,12 +50,7 @@ pub fn bench_collectives_rows(
         .args(["--reps", "2", "--warmup", "1", "--json"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = ok_json(&out);
     let rows = v["rows"].as_array().unwrap().clone();
     assert!(
         rows.iter().all(|r| r["median_s"].as_f64().unwrap() > 0.0),
@@ -76,6 +71,12 @@ pub fn mpirun(n: usize) -> std::process::Command {
         .env("OMPI_MCA_btl_tcp_if_include", "lo")
         .env("OMPI_MCA_oob_tcp_if_include", "lo");
     cmd
+}
+
+/// Asserts that a command succeeded and returns the JSON document it printed.
+pub fn ok_json(out: &std::process::Output) -> serde_json::Value {
+    ok(out);
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// Asserts that a command succeeded, showing its output otherwise.

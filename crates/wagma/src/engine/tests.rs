@@ -253,12 +253,33 @@ fn stats(net: &mut Net, rank: Rank) -> EngineStats {
     }
 }
 
-#[test]
-fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
-    let cfg = EngineConfig {
+fn elastic() -> EngineConfig {
+    EngineConfig {
         elastic: true,
         ..EngineConfig::default()
-    };
+    }
+}
+
+/// An elastic engine of `rank` among `ranks` that announced a rejoin and waits (request 2) at
+/// most `timeout` for its welcome.
+fn waiting_joiner(rank: Rank, ranks: usize, timeout: Duration) -> Engine {
+    let mut e = Engine::new(rank, ranks, elastic());
+    let mut out = Vec::new();
+    e.on_request(Duration::ZERO, 1, Request::Announce, &mut out);
+    out.clear();
+    e.on_request(
+        Duration::ZERO,
+        2,
+        Request::AwaitWelcome { timeout },
+        &mut out,
+    );
+    assert!(out.is_empty(), "nothing to send while waiting: {out:?}");
+    e
+}
+
+#[test]
+fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
+    let cfg = elastic();
     let mut net = Net::with_config(3, cfg);
     open(&mut net, 3, 2);
     for r in 0..2 {
@@ -357,19 +378,8 @@ fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
 
 #[test]
 fn a_joiner_that_is_never_welcomed_times_out() {
-    let cfg = EngineConfig {
-        elastic: true,
-        ..EngineConfig::default()
-    };
-    let mut e = Engine::new(1, 2, cfg);
+    let mut e = waiting_joiner(1, 2, Duration::from_secs(30));
     let mut out = Vec::new();
-    e.on_request(Duration::ZERO, 1, Request::Announce, &mut out);
-    out.clear();
-    let wait = Request::AwaitWelcome {
-        timeout: Duration::from_secs(30),
-    };
-    e.on_request(Duration::ZERO, 2, wait, &mut out);
-    assert!(out.is_empty());
     assert_eq!(e.next_deadline(), Some(Duration::from_secs(30)));
     e.on_tick(Duration::from_secs(31), &mut out);
     match &out[..] {
@@ -385,20 +395,10 @@ fn a_joiner_that_is_never_welcomed_times_out() {
 
 #[test]
 fn a_joiner_stops_waiting_when_every_peer_has_left() {
-    let cfg = EngineConfig {
-        elastic: true,
-        ..EngineConfig::default()
-    };
-    let mut e = Engine::new(2, 3, cfg);
+    let mut e = waiting_joiner(2, 3, Duration::from_secs(600));
     let mut out = Vec::new();
-    e.on_request(Duration::ZERO, 1, Request::Announce, &mut out);
-    let wait = Request::AwaitWelcome {
-        timeout: Duration::from_secs(600),
-    };
-    e.on_request(Duration::ZERO, 2, wait, &mut out);
-    out.clear();
     for p in 0..2 {
-        let bye = Engine::new(p, 3, cfg).farewell(false);
+        let bye = Engine::new(p, 3, elastic()).farewell(false);
         let (_, env) = bye.into_iter().find(|(to, _)| *to == 2).unwrap();
         e.on_message(Duration::from_secs(1), env, &mut out);
         e.on_tick(Duration::from_secs(1), &mut out);

@@ -54,15 +54,10 @@ impl Unreachable {
 
     /// Peers whose grace period has ended, with what their failed send saw.
     fn expired(&mut self, now: Duration) -> Vec<(Rank, String)> {
-        let due: Vec<Rank> = self
+        let mut due: Vec<(Rank, String)> = self
             .peers
-            .iter()
-            .filter(|(_, (at, _))| *at <= now)
-            .map(|(&p, _)| p)
-            .collect();
-        let mut due: Vec<(Rank, String)> = due
-            .into_iter()
-            .filter_map(|p| self.peers.remove(&p).map(|(_, reason)| (p, reason)))
+            .extract_if(|_, (at, _)| *at <= now)
+            .map(|(p, (_, reason))| (p, reason))
             .collect();
         due.sort_unstable_by_key(|(p, _)| *p);
         due

@@ -58,7 +58,8 @@ impl Adopted {
 
     /// Replaces the connections of the peers that came back.
     pub fn take_into(&self, writers: &mut [Option<Writer>]) {
-        if !self.pending.swap(false, Ordering::Acquire) {
+        // A plain load first: this runs on every send, and a peer rarely comes back.
+        if !self.pending.load(Ordering::Relaxed) || !self.pending.swap(false, Ordering::Acquire) {
             return;
         }
         for (peer, slot) in self.lock().iter_mut().enumerate() {
