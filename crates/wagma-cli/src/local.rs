@@ -13,12 +13,18 @@ pub struct LocalJob {
     children: Vec<Child>,
 }
 
-/// A free loopback port for the rendezvous.
-pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")
-        .context("finding a free port")?
-        .local_addr()?
-        .port())
+/// How long rank 0 may take to bind its rendezvous and say where.
+const RENDEZVOUS_WAIT: Duration = Duration::from_secs(60);
+
+/// A fresh private directory under the system's temporary directory.
+fn tempdir() -> anyhow::Result<std::path::PathBuf> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("wagma-launch-{}-{nanos:x}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
 }
 
 /// A random job id and secret for a job started by this process.
@@ -48,28 +54,61 @@ impl LocalJob {
         extra: &[(&str, String)],
         capture: bool,
     ) -> anyhow::Result<LocalJob> {
-        let rendezvous = format!("127.0.0.1:{}", free_port()?);
         let (job_id, secret) = fresh_credentials();
-        let mut children = Vec::with_capacity(ranks);
-        for rank in 0..ranks {
+        // Rank 0 binds port 0 itself and writes the port it got; the others start once it has
+        // (no port is chosen here and bound again later, which another process could take).
+        let dir = tempdir()?;
+        let file = dir.join("rendezvous");
+        let start = |rank: usize, rendezvous: &str, file: Option<&std::path::Path>| {
             let mut cmd = Command::new(program);
             cmd.args(args)
                 .env(env::RANK, rank.to_string())
                 .env(env::WORLD_SIZE, ranks.to_string())
-                .env(env::RENDEZVOUS, &rendezvous)
+                .env(env::RENDEZVOUS, rendezvous)
                 .env(env::JOB_ID, &job_id)
                 .env(env::SECRET, &secret)
                 .stdin(Stdio::null());
+            if let Some(f) = file {
+                cmd.env(env::RENDEZVOUS_FILE, f);
+            }
             for (k, v) in extra {
                 cmd.env(k, v);
             }
             if capture {
                 cmd.stdout(Stdio::piped());
             }
-            let child = cmd
-                .spawn()
-                .with_context(|| format!("starting rank {rank}: {}", program.display()))?;
-            children.push(child);
+            cmd.spawn()
+                .with_context(|| format!("starting rank {rank}: {}", program.display()))
+        };
+        let mut children = Vec::with_capacity(ranks);
+        children.push(start(0, "127.0.0.1:0", Some(&file))?);
+        let waited = Instant::now();
+        let rendezvous = loop {
+            if let Some(a) = wagma::transport::tcp::read_rendezvous(&file) {
+                break a;
+            }
+            if let Some(s) = children[0].try_wait()? {
+                let _ = std::fs::remove_dir_all(&dir);
+                bail!("rank 0 exited ({s}) before opening its rendezvous");
+            }
+            if waited.elapsed() > RENDEZVOUS_WAIT {
+                let _ = children[0].kill();
+                let _ = std::fs::remove_dir_all(&dir);
+                bail!("rank 0 did not open its rendezvous within {RENDEZVOUS_WAIT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        for rank in 1..ranks {
+            match start(rank, &rendezvous, None) {
+                Ok(c) => children.push(c),
+                Err(e) => {
+                    for c in &mut children {
+                        let _ = c.kill();
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(LocalJob { children })
     }

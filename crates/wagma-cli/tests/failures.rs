@@ -12,27 +12,42 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts `n` ranks of `wagma ARGS` over TCP; each rank's stderr goes to `dir/rank-R.log`.
+/// Rank 0 binds its rendezvous on port 0 and writes the address it got to a file; the others
+/// start once it is there.
 fn spawn_job(n: usize, args: &[String], dir: &Path) -> (Vec<Child>, String) {
-    let rdv = format!("127.0.0.1:{}", free_port());
-    let children = (0..n)
-        .map(|rank| spawn_rank(rank, n, &rdv, args, &dir.join(format!("rank-{rank}.log"))))
-        .collect();
+    let file = dir.join("rendezvous");
+    let log = |rank: usize| dir.join(format!("rank-{rank}.log"));
+    let mut children = vec![spawn_rank(0, n, "127.0.0.1:0", Some(&file), args, &log(0))];
+    let waited = Instant::now();
+    let rdv = loop {
+        if let Some(a) = wagma::transport::tcp::read_rendezvous(&file) {
+            break a;
+        }
+        assert!(
+            children[0].try_wait().unwrap().is_none(),
+            "rank 0 exited before opening its rendezvous"
+        );
+        // Generous: rank 0 binds within milliseconds unless the machine is stalled.
+        assert!(waited.elapsed() < Duration::from_secs(120), "no rendezvous");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    children.extend((1..n).map(|rank| spawn_rank(rank, n, &rdv, None, args, &log(rank))));
     (children, rdv)
 }
 
-/// Starts rank `rank` of `n` of `wagma ARGS` with the rendezvous `rdv`, its stderr in `log`.
-fn spawn_rank(rank: usize, n: usize, rdv: &str, args: &[String], log: &Path) -> Child {
-    wagma()
-        .args(args)
+/// Starts rank `rank` of `n` of `wagma ARGS` with the rendezvous `rdv` (and, for rank 0, the
+/// file to write the bound address to), its stderr in `log`.
+fn spawn_rank(
+    rank: usize,
+    n: usize,
+    rdv: &str,
+    rdv_file: Option<&Path>,
+    args: &[String],
+    log: &Path,
+) -> Child {
+    let mut cmd = wagma();
+    cmd.args(args)
         .env("WAGMA_RANK", rank.to_string())
         .env("WAGMA_WORLD_SIZE", n.to_string())
         .env("WAGMA_RENDEZVOUS", rdv)
@@ -41,9 +56,11 @@ fn spawn_rank(rank: usize, n: usize, rdv: &str, args: &[String], log: &Path) -> 
         .env("WAGMA_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(File::create(log).unwrap())
-        .spawn()
-        .unwrap()
+        .stderr(File::create(log).unwrap());
+    if let Some(f) = rdv_file {
+        cmd.env("WAGMA_RENDEZVOUS_FILE", f);
+    }
+    cmd.spawn().unwrap()
 }
 
 fn train_args(out: &Path, steps: u64, eval_every: u64, extra: &[&str]) -> Vec<String> {
@@ -320,7 +337,7 @@ fn rejoin_once(rep: u64) {
     let mut rejoin_args = args.clone();
     rejoin_args.push("--rejoin".into());
     let log = dir.join(format!("rank-{victim}-rejoined.log"));
-    children[victim] = spawn_rank(victim, ranks, &rdv, &rejoin_args, &log);
+    children[victim] = spawn_rank(victim, ranks, &rdv, None, &rejoin_args, &log);
     let status = wait_all(&mut children, Duration::from_secs(600));
     for (rank, s) in status.iter().enumerate() {
         let name = if rank == victim {

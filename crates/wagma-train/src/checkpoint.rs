@@ -60,7 +60,7 @@ pub struct RankState {
     pub params: Vec<f32>,
     /// Non-trainable buffers.
     pub buffers: Vec<f32>,
-    /// Optimizer momentum.
+    /// The optimizer's state (SGD's momentum, Adam's moments).
     pub momentum: Vec<f32>,
     /// SGP's push-sum weight.
     pub weight: Option<f64>,

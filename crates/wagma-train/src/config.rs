@@ -187,7 +187,7 @@ impl TrainConfig {
             return Err(TrainError::Config("timeout must be positive".into()));
         }
         if !self.execution.is_multi_process() {
-            self.algo.algorithm.validate(self.ranks)?;
+            self.algo.validate(self.ranks)?;
         }
         if self.rejoin {
             if !self.elastic || self.execution != Execution::Tcp {
@@ -219,7 +219,9 @@ impl TrainConfig {
     }
 }
 
-/// A workload's default local optimizer.
+/// A workload's default local optimizer: SGD with momentum for the image CNN (the paper's
+/// ResNet recipe), Adam with warm-up for the Transformer (as the paper's), and Adam for PPO
+/// (as DD-PPO).
 pub fn default_optimizer(w: WorkloadKind, steps: u64) -> OptimizerConfig {
     let warmup = (steps / 20).min(200);
     match w {
@@ -231,28 +233,26 @@ pub fn default_optimizer(w: WorkloadKind, steps: u64) -> OptimizerConfig {
                 min_lr: 0.0,
             },
             momentum: 0.9,
-            nesterov: false,
             weight_decay: 5e-4,
-            clip_norm: None,
+            ..OptimizerConfig::default()
         },
         WorkloadKind::Translate => OptimizerConfig {
             lr: LrSchedule::Cosine {
-                lr: 1.0,
+                lr: 1e-3,
                 warmup,
                 total: steps,
                 min_lr: 0.0,
             },
-            momentum: 0.9,
-            nesterov: true,
-            weight_decay: 0.0,
-            clip_norm: Some(1.0),
+            // Vaswani et al. (and fairseq's Transformer recipe): betas 0.9, 0.98.
+            betas: (0.9, 0.98),
+            eps: 1e-9,
+            ..OptimizerConfig::adam(1e-3)
         },
         WorkloadKind::Navigate => OptimizerConfig {
-            lr: LrSchedule::Constant { lr: 0.1 },
-            momentum: 0.9,
-            nesterov: false,
-            weight_decay: 0.0,
+            lr: LrSchedule::Constant { lr: 1e-3 },
+            eps: 1e-5,
             clip_norm: Some(0.5),
+            ..OptimizerConfig::adam(1e-3)
         },
     }
 }

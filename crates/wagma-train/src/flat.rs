@@ -8,7 +8,7 @@ use burn::tensor::Gradients;
 use serde::{Deserialize, Serialize};
 
 /// Whether the innermost field name marks a running statistic (BatchNorm's RunningState).
-fn is_buffer(path: &[String]) -> bool {
+pub(crate) fn is_buffer(path: &[String]) -> bool {
     matches!(
         path.last().map(String::as_str),
         Some("running_mean" | "running_var")
@@ -42,6 +42,16 @@ impl Layout {
     /// Number of buffer values.
     pub fn buffers(&self) -> usize {
         self.count(true)
+    }
+
+    /// What ranks compare to agree that they hold the same model: counts and a hash of every
+    /// tensor's path and shape.
+    pub fn fingerprint(&self) -> wagma::exec::launch::ModelLayout {
+        wagma::exec::launch::ModelLayout::of(
+            self.tensors
+                .iter()
+                .map(|t| (t.path.as_str(), t.dims.as_slice(), t.buffer)),
+        )
     }
 
     fn count(&self, buffer: bool) -> usize {
@@ -94,6 +104,66 @@ impl ModuleVisitor for Reader {
             }
         }
     }
+}
+
+/// Copies the parameters (or buffers) into a slice, in visit order.
+struct SliceReader<'a> {
+    path: Path,
+    buffers: bool,
+    out: &'a mut [f32],
+    at: usize,
+}
+
+impl ModuleVisitor for SliceReader<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if is_buffer(&self.path.0) != self.buffers {
+            return;
+        }
+        let data = param.val().into_data();
+        let n = param.shape().num_elements();
+        let Some(dst) = self.out.get_mut(self.at..self.at + n) else {
+            return;
+        };
+        match data.as_slice::<f32>() {
+            Ok(v) if v.len() == n => dst.copy_from_slice(v),
+            _ => dst.iter_mut().zip(data.iter::<f32>()).for_each(|(d, x)| *d = x),
+        }
+        self.at += n;
+    }
+}
+
+/// Copies `m`'s trainable parameters (`buffers`: its buffers) into `out`, in the layout's
+/// order; `out` must hold exactly that many values.
+pub fn read_into<M: Module>(m: &M, buffers: bool, out: &mut [f32]) {
+    if buffers {
+        // Pending per-thread BatchNorm statistics become visible after a sync.
+        let _ = m.valid();
+    }
+    m.visit(&mut SliceReader {
+        path: Path::default(),
+        buffers,
+        out,
+        at: 0,
+    });
+}
+
+/// `m` with its trainable parameters (`buffers`: its buffers) replaced by `values`.
+pub fn write_values<M: Module>(m: M, buffers: bool, values: &[f32]) -> M {
+    if buffers {
+        let _ = m.valid();
+    }
+    m.map(&mut Writer {
+        path: Path::default(),
+        buffers,
+        data: values,
+        at: 0,
+    })
 }
 
 struct Writer<'a> {
@@ -258,12 +328,13 @@ impl<M: Module> FlatModel<M> {
     }
 }
 
-/// The training device: flex with autodiff.
+/// The training device: the selected one ([`crate::device::select`], flex by default) with
+/// autodiff.
 pub fn train_device() -> Device {
-    Device::flex().autodiff()
+    crate::device::selected().autodiff()
 }
 
-/// The evaluation device: flex.
+/// The evaluation device: the selected one, without autodiff.
 pub fn eval_device() -> Device {
-    Device::flex()
+    crate::device::selected()
 }

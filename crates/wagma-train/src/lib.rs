@@ -9,6 +9,8 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod device;
+pub mod distributed;
 pub mod error;
 pub mod flat;
 pub mod metrics;
@@ -18,5 +20,7 @@ pub mod workloads;
 
 pub use config::{Execution, TrainConfig, WorkloadKind};
 pub use error::TrainError;
+pub use device::DeviceChoice;
+pub use distributed::DistributedOptimizer;
 pub use flat::FlatModel;
 pub use trainer::{EvalRecord, Observer, Summary};

@@ -347,7 +347,7 @@ pub fn run<W: Workload>(
     };
     let ranks = process.as_ref().map_or(cfg.ranks, |(c, _)| c.size());
     if process.is_some() {
-        cfg.algo.algorithm.validate(ranks)?;
+        cfg.algo.validate(ranks)?;
     }
     let resume = match &cfg.resume {
         Some(p) => {
@@ -461,7 +461,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
                 .map_err(|m| TrainError::checkpoint(ckpt, format!("rank {rank}: {m}")))?;
             let resume = Resume {
                 iteration: st.iteration,
-                momentum: st.momentum,
+                optimizer_state: st.momentum,
                 weight: st.weight,
             };
             (st.params, st.buffers, resume, meta.samples, meta.train_s)
@@ -663,7 +663,7 @@ async fn rejoin(
         buffers: state[np..np + nb].to_vec(),
         resume: Resume {
             iteration,
-            momentum: state[np + nb..].to_vec(),
+            optimizer_state: state[np + nb..].to_vec(),
             weight: None,
         },
         samples,
@@ -700,7 +700,7 @@ async fn admit_joiners(
     if leader == Some(comm.rank()) {
         let mut state = worker.params().to_vec();
         state.extend_from_slice(worker.buffers());
-        state.extend_from_slice(worker.momentum());
+        state.extend_from_slice(worker.optimizer_state());
         let info = [done, samples, train_s.to_bits(), alive as u64];
         for &r in &joiners {
             let data = Payload::Data(state.clone());
@@ -829,7 +829,7 @@ async fn write_checkpoint<W: Workload>(
         iteration,
         params: worker.params().to_vec(),
         buffers: worker.buffers().to_vec(),
-        momentum: worker.momentum().to_vec(),
+        momentum: worker.optimizer_state().to_vec(),
         weight: worker.weight(),
         local: s.w.save_local(local),
     };

@@ -30,6 +30,8 @@ fn config(workload: WorkloadKind, algo: &str, ranks: usize, steps: u64, dir: &Pa
         eval_every: steps,
         out: dir.to_path_buf(),
         progress: false,
+        // Learning is asserted on a fixed outcome: virtual time, seeded scheduling.
+        execution: Execution::Deterministic,
         ..TrainConfig::default()
     }
 }

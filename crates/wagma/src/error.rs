@@ -9,6 +9,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::Rank;
+pub use crate::exec::launch::ModelLayout;
 
 /// A setting that can never work, reported before anything runs.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -177,6 +178,21 @@ pub enum Error {
     Deadlock {
         /// A description per blocked rank.
         blocked: Vec<String>,
+    },
+    /// Two ranks hold models of different layouts (a different model, or another version).
+    #[error(
+        "rank {rank}: the model's layout differs from rank {peer}'s: rank {rank} has {layout}, \
+         rank {peer} has {peer_layout}"
+    )]
+    LayoutMismatch {
+        /// Reporting rank.
+        rank: Rank,
+        /// This rank's layout.
+        layout: ModelLayout,
+        /// The rank it was compared with.
+        peer: Rank,
+        /// That rank's layout.
+        peer_layout: ModelLayout,
     },
     /// A user-supplied task failed.
     #[error("rank {rank}: {message}")]

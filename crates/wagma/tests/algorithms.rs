@@ -189,7 +189,7 @@ fn momentum_sgd() -> OptimizerConfig {
         momentum: 0.9,
         nesterov: false,
         weight_decay: 1e-3,
-        clip_norm: None,
+        ..OptimizerConfig::default()
     }
 }
 

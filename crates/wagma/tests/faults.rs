@@ -111,8 +111,12 @@ fn dropped_messages_end_in_named_timeouts_without_hanging() {
         },
     )
     .unwrap();
+    // "Without hanging": a correct run ends about one engine timeout (1.5 s) after the first
+    // lost message. The bound is 40 timeouts so that a loaded machine cannot trip it; only a
+    // run that waits forever (or retries timeouts in a loop) would. The errors below are the
+    // real check: every rank fails, the first with a timeout naming the missing peers.
     assert!(
-        t0.elapsed() < Duration::from_millis(4 * timeout),
+        t0.elapsed() < Duration::from_millis(40 * timeout),
         "took {:?}",
         t0.elapsed()
     );
@@ -157,7 +161,11 @@ fn corrupt_frames_on_tcp_end_in_an_error_naming_the_peer() {
     let t0 = Instant::now();
     t1.inject_raw(0, &[0xff; 64]).unwrap();
     let err = rank0.join().unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(5));
+    // The error must come from the frame decoder, not from rank 0's 5 s timeout: the text
+    // checked below says so ("lost rank 1" with "frame"/"malformed", never a timeout). The
+    // time bound, 12 timeouts, only catches a rank that hangs; it is far above what a loaded
+    // machine needs to read 64 bytes.
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
     assert_eq!(err.peer(), Some(1), "{err}");
     let text = err.to_string();
     assert!(

@@ -255,13 +255,12 @@ fn killing_a_process_fails_every_survivor_naming_it() {
     }
     std::thread::sleep(Duration::from_millis(500));
     job.children[2].kill().unwrap();
-    let killed_at = Instant::now();
-    let results = job.wait(Duration::from_secs(timeout_s + 30));
-    let took = killed_at.elapsed();
-    assert!(
-        took < Duration::from_secs(timeout_s + 5),
-        "survivors took {took:?}"
-    );
+    // No wall-clock bound on how fast the survivors notice: on a loaded machine process
+    // start-up and scheduling can take seconds. What matters is checked below: each survivor
+    // fails naming rank 2 as lost (a survivor that missed the kill would fail with its own
+    // timeout instead, which names no lost peer). The generous limit only stops a hung job
+    // (`wait` panics); a correct job ends within about one timeout, 24 times less.
+    let results = job.wait(Duration::from_secs(24 * timeout_s));
     for (rank, (code, err)) in results.iter().enumerate() {
         if rank == 2 {
             continue;

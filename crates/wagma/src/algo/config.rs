@@ -172,6 +172,11 @@ impl Algorithm {
         }
     }
 
+    /// True for the algorithms that average models (the others average gradients).
+    pub fn averages_models(&self) -> bool {
+        !matches!(self, Algorithm::AllreduceSgd | Algorithm::EagerSgd { .. })
+    }
+
     /// Checks the options against the number of ranks.
     pub fn validate(&self, ranks: usize) -> Result<(), ConfigError> {
         if ranks == 0 {
@@ -215,7 +220,11 @@ impl Algorithm {
 pub struct Scope {
     /// Average non-trainable buffers (BatchNorm statistics).
     pub average_buffers: bool,
-    /// Average the optimizer's momentum.
+    /// Average wagma's optimizer state (SGD's momentum, Adam's moments) together with the
+    /// model, at every averaging (group, gossip and global averages). Off by default, as in the
+    /// paper: the state summarises this replica's own gradient stream, and averaging it
+    /// multiplies the bytes sent (twice the model for momentum, three times for Adam). An
+    /// update computed outside wagma keeps its state local.
     pub average_optimizer_state: bool,
 }
 
@@ -235,7 +244,8 @@ pub struct AlgoConfig {
     pub algorithm: Algorithm,
     /// Averaging scope.
     pub scope: Scope,
-    /// Step and average order (model-averaging algorithms).
+    /// Step and average order (model-averaging algorithms; the others reject
+    /// `average-then-step`).
     pub order: Order,
     /// Seed shared by all ranks (eager-SGD majority's initiators).
     pub seed: u64,
@@ -257,6 +267,21 @@ impl AlgoConfig {
             Algorithm::EagerSgd { sync_period, .. } => at(*sync_period),
             _ => true,
         }
+    }
+
+    /// Checks the algorithm against the number of ranks, and the order against the algorithm.
+    pub fn validate(&self, ranks: usize) -> Result<(), ConfigError> {
+        self.algorithm.validate(ranks)?;
+        if self.order == Order::AverageThenStep && !self.algorithm.averages_models() {
+            return Err(ConfigError::Invalid {
+                what: "order",
+                detail: format!(
+                    "average-then-step applies to model-averaging algorithms; {} averages gradients",
+                    self.algorithm.label()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// `algorithm` with the default scope and order.
@@ -306,7 +331,13 @@ mod tests {
             Err(ConfigError::Invalid { .. })
         ));
         for n in Algorithm::NAMES {
-            Algorithm::from_name(n).unwrap().validate(8).unwrap();
+            let a = Algorithm::from_name(n).unwrap();
+            a.validate(8).unwrap();
+            let late = AlgoConfig {
+                order: Order::AverageThenStep,
+                ..AlgoConfig::new(a.clone())
+            };
+            assert_eq!(late.validate(8).is_ok(), a.averages_models(), "{n}");
         }
     }
 }

@@ -20,5 +20,5 @@ mod worker;
 
 pub use bound::{bound_wall, ideal_wall};
 pub use config::{AlgoConfig, Algorithm, CombineRule, EagerMode, Order, Scope, WagmaOptions};
-pub use optim::{LrSchedule, OptimizerConfig, Sgd};
+pub use optim::{Adam, LocalOptimizer, LrSchedule, OptimizerConfig, OptimizerKind, Sgd};
 pub use worker::{Resume, StepReport, Worker};

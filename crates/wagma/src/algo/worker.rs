@@ -1,10 +1,11 @@
 //! The API a training loop uses: hand over the gradient of each local step, read back the
-//! model. The [`Worker`] applies the local optimizer and the algorithm's communication.
+//! model. The [`Worker`] applies the local optimizer (wagma's own, or the caller's through
+//! [`Worker::step_external`]) and the algorithm's communication.
 
 use serde::{Deserialize, Serialize};
 
 use super::config::{AlgoConfig, Algorithm, CombineRule, EagerMode, Order, Scope};
-use super::optim::{OptimizerConfig, Sgd};
+use super::optim::{LocalOptimizer, OptimizerConfig};
 use crate::engine::{ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger};
 use crate::error::{Error, Op};
 use crate::exec::Comm;
@@ -35,8 +36,9 @@ pub struct StepReport {
 pub struct Resume {
     /// Iterations already done.
     pub iteration: u64,
-    /// The optimizer's momentum (empty without momentum).
-    pub momentum: Vec<f32>,
+    /// The optimizer's state (SGD's momentum, Adam's moments; empty when stateless or when
+    /// the update is computed outside wagma).
+    pub optimizer_state: Vec<f32>,
     /// SGP's push-sum weight.
     pub weight: Option<f64>,
 }
@@ -45,7 +47,8 @@ pub struct Resume {
 struct ModelState {
     params: Payload,
     buffers: Payload,
-    opt: Sgd,
+    /// `None`: the update is computed outside wagma ([`Worker::step_external`]).
+    opt: Option<Box<dyn LocalOptimizer>>,
 }
 
 impl ModelState {
@@ -53,11 +56,22 @@ impl ModelState {
         self.params.is_virtual()
     }
 
-    fn momentum_len(&self) -> usize {
-        self.opt.momentum().len()
+    fn opt_state(&self) -> &[f32] {
+        self.opt.as_ref().map_or(&[], |o| o.state())
     }
 
-    /// Lengths of the segments the scope averages: params, buffers, momentum.
+    fn opt_state_mut(&mut self) -> &mut [f32] {
+        match &mut self.opt {
+            Some(o) => o.state_mut(),
+            None => &mut [],
+        }
+    }
+
+    fn state_len(&self) -> usize {
+        self.opt_state().len()
+    }
+
+    /// Lengths of the segments the scope averages: params, buffers, optimizer state.
     fn segments(&self, scope: Scope) -> [usize; 3] {
         [
             self.params.len(),
@@ -67,7 +81,7 @@ impl ModelState {
                 0
             },
             if scope.average_optimizer_state && !self.is_virtual() {
-                self.momentum_len()
+                self.state_len()
             } else {
                 0
             },
@@ -84,7 +98,7 @@ impl ModelState {
         let mut v = pool::take(total);
         v.extend_from_slice(self.params.as_slice());
         v.extend_from_slice(&self.buffers.as_slice()[..lens[1]]);
-        v.extend_from_slice(&self.opt.momentum()[..lens[2]]);
+        v.extend_from_slice(&self.opt_state()[..lens[2]]);
         Payload::Data(v)
     }
 
@@ -110,7 +124,7 @@ impl ModelState {
         let (b, c) = rest.split_at(lens[1].min(rest.len()));
         mix(self.params.as_mut_slice(), a);
         mix(&mut self.buffers.as_mut_slice()[..lens[1]], b);
-        mix(&mut self.opt.momentum_mut()[..lens[2]], c);
+        mix(&mut self.opt_state_mut()[..lens[2]], c);
     }
 
     /// Adds `delta` (laid out like [`ModelState::pack`]) to the averaged values.
@@ -126,16 +140,26 @@ impl ModelState {
             |dst: &mut [f32], src: &[f32]| dst.iter_mut().zip(src).for_each(|(x, y)| *x += *y);
         add(self.params.as_mut_slice(), a);
         add(&mut self.buffers.as_mut_slice()[..lens[1]], b);
-        add(&mut self.opt.momentum_mut()[..lens[2]], c);
+        add(&mut self.opt_state_mut()[..lens[2]], c);
     }
 
-    fn local_step(&mut self, t: u64, grad: &Grad<'_>) {
+    /// The local update of step `t` with `grad`: wagma's optimizer, or the caller's.
+    fn local_step(&mut self, t: u64, grad: &Grad<'_>, update: &mut Update<'_>) {
         if let (false, Some(g)) = (self.is_virtual(), grad.values()) {
             let params = self.params.as_mut_slice();
-            self.opt.step(t, params, g);
+            match (update.take(), &mut self.opt) {
+                (Some(f), _) => f(params, g),
+                (None, Some(opt)) => opt.step(t, params, g),
+                // Rejected before the step: see `Worker::run_step`.
+                (None, None) => {}
+            }
         }
     }
 }
+
+/// An update computed outside wagma, called once per step with the parameters (to update in
+/// place) and the gradient to use; `None` once called, or for wagma's own optimizer.
+type Update<'u> = Option<&'u mut dyn FnMut(&mut [f32], &[f32])>;
 
 /// A gradient handed to [`Worker`]: borrowed (model-averaging algorithms only read it) or
 /// owned (gradient-averaging algorithms send it).
@@ -196,8 +220,9 @@ pub struct Worker<'c> {
 }
 
 impl<'c> Worker<'c> {
-    /// A replica starting from `params` (trainable) and `buffers` (non-trainable). Virtual
-    /// payloads give a replica without data, for throughput simulations.
+    /// A replica starting from `params` (trainable) and `buffers` (non-trainable), updated by
+    /// wagma's optimizer `opt`. Virtual payloads give a replica without data, for throughput
+    /// simulations.
     pub async fn new(
         comm: &'c mut Comm,
         cfg: AlgoConfig,
@@ -219,6 +244,43 @@ impl<'c> Worker<'c> {
         buffers: Payload,
         resume: Resume,
     ) -> Result<Worker<'c>, Error> {
+        let len = if params.is_virtual() { 0 } else { params.len() };
+        let opt = opt.build(len)?;
+        Self::start(comm, cfg, Some(opt), params, buffers, resume).await
+    }
+
+    /// A replica updated by any [`LocalOptimizer`].
+    pub async fn with_optimizer(
+        comm: &'c mut Comm,
+        cfg: AlgoConfig,
+        opt: Box<dyn LocalOptimizer>,
+        params: Payload,
+        buffers: Payload,
+        resume: Resume,
+    ) -> Result<Worker<'c>, Error> {
+        Self::start(comm, cfg, Some(opt), params, buffers, resume).await
+    }
+
+    /// A replica whose update is computed outside wagma, by the caller's optimizer: drive it
+    /// with [`Worker::step_external`]. Its optimizer state is the caller's and stays local.
+    pub async fn external(
+        comm: &'c mut Comm,
+        cfg: AlgoConfig,
+        params: Payload,
+        buffers: Payload,
+        resume: Resume,
+    ) -> Result<Worker<'c>, Error> {
+        Self::start(comm, cfg, None, params, buffers, resume).await
+    }
+
+    async fn start(
+        comm: &'c mut Comm,
+        cfg: AlgoConfig,
+        mut opt: Option<Box<dyn LocalOptimizer>>,
+        params: Payload,
+        buffers: Payload,
+        resume: Resume,
+    ) -> Result<Worker<'c>, Error> {
         let p = comm.size();
         if !cfg.is_clean_point(resume.iteration) {
             return Err(Error::Protocol {
@@ -231,25 +293,27 @@ impl<'c> Worker<'c> {
                 ),
             });
         }
-        cfg.algorithm.validate(p)?;
-        let opt_len = if params.is_virtual() { 0 } else { params.len() };
-        let mut sgd = Sgd::new(opt, opt_len)?;
-        if !resume.momentum.is_empty() {
-            if resume.momentum.len() != sgd.momentum().len() {
-                return Err(Error::Protocol {
-                    rank: comm.rank(),
-                    op: Op::Other("resume"),
-                    detail: format!(
-                        "momentum of {} elements for an optimizer of {}",
-                        resume.momentum.len(),
-                        sgd.momentum().len()
-                    ),
-                });
+        cfg.validate(p)?;
+        if !resume.optimizer_state.is_empty() {
+            let have = opt.as_ref().map_or(0, |o| o.state().len());
+            match opt.as_mut() {
+                Some(o) if have == resume.optimizer_state.len() => {
+                    o.state_mut().copy_from_slice(&resume.optimizer_state)
+                }
+                _ => {
+                    return Err(Error::Protocol {
+                        rank: comm.rank(),
+                        op: Op::Other("resume"),
+                        detail: format!(
+                            "optimizer state of {} elements for an optimizer with {have}",
+                            resume.optimizer_state.len(),
+                        ),
+                    });
+                }
             }
-            sgd.momentum_mut().copy_from_slice(&resume.momentum);
         }
         let state = ModelState {
-            opt: sgd,
+            opt,
             params,
             buffers,
         };
@@ -343,23 +407,14 @@ impl<'c> Worker<'c> {
         self.state.buffers.as_mut_slice()
     }
 
-    /// The parameters and buffers, mutably (to restore a checkpoint).
-    pub fn state_mut(&mut self) -> (&mut [f32], &mut [f32], &mut [f32]) {
-        let ModelState {
-            params,
-            buffers,
-            opt,
-        } = &mut self.state;
-        (
-            params.as_mut_slice(),
-            buffers.as_mut_slice(),
-            opt.momentum_mut(),
-        )
+    /// The parameters, mutably (to restore a checkpoint).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        self.state.params.as_mut_slice()
     }
 
-    /// The optimizer's momentum.
-    pub fn momentum(&self) -> &[f32] {
-        self.state.opt.momentum()
+    /// The state of wagma's optimizer (empty for an external update).
+    pub fn optimizer_state(&self) -> &[f32] {
+        self.state.opt_state()
     }
 
     /// Iterations done.
@@ -408,23 +463,77 @@ impl<'c> Worker<'c> {
     /// [`Worker::params`]) and the algorithm's communication.
     pub async fn step(&mut self, grad: &[f32]) -> Result<StepReport, Error> {
         if self.state.is_virtual() {
-            return self.run_step(Grad::Owned(Payload::Size(grad.len()))).await;
+            return self.run_step(Grad::Owned(Payload::Size(grad.len())), None).await;
         }
-        self.run_step(Grad::Borrowed(grad)).await
+        self.run_step(Grad::Borrowed(grad), None).await
     }
 
     /// Like [`Worker::step`], taking the gradient buffer (virtual in simulations).
     pub async fn step_with(&mut self, grad: Payload) -> Result<StepReport, Error> {
-        self.run_step(Grad::Owned(grad)).await
+        self.run_step(Grad::Owned(grad), None).await
     }
 
-    async fn run_step(&mut self, grad: Grad<'_>) -> Result<StepReport, Error> {
+    /// One iteration with an update computed outside wagma (the caller's optimizer).
+    /// `update(params, grad)` is called exactly once and must apply the optimizer step to
+    /// `params` in place, using `grad`: the averaged gradient for gradient-averaging algorithms
+    /// (allreduce-SGD, eager-SGD), this rank's `grad` for model-averaging ones, which then
+    /// average the model it produced (or, with `order = average-then-step`, average the model
+    /// before the step and add the step's change after).
+    ///
+    /// ```
+    /// use wagma::algo::{AlgoConfig, Algorithm, Resume, Worker};
+    /// use wagma::exec::threaded;
+    /// use wagma::{EngineConfig, Payload};
+    ///
+    /// // Two ranks minimise (w - 3)^2 with a hand-written update rule (lr 0.25); local SGD
+    /// // averages the models after every step.
+    /// let cfg = AlgoConfig::new(Algorithm::LocalSgd { period: 1 });
+    /// let job = threaded::run(2, EngineConfig::default(), async |comm| {
+    ///     let start = Payload::Data(vec![0.0]);
+    ///     let mut w = Worker::external(comm, cfg.clone(), start, Payload::default(), Resume::default()).await?;
+    ///     for _ in 0..50 {
+    ///         let grad = [2.0 * (w.params()[0] - 3.0)];
+    ///         w.step_external(&grad, &mut |p: &mut [f32], g: &[f32]| p[0] -= 0.25 * g[0]).await?;
+    ///     }
+    ///     Ok(w.params()[0])
+    /// })?;
+    /// for w in job.into_all()? {
+    ///     assert!((w - 3.0).abs() < 1e-4);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn step_external(
+        &mut self,
+        grad: &[f32],
+        update: &mut dyn FnMut(&mut [f32], &[f32]),
+    ) -> Result<StepReport, Error> {
+        if self.state.is_virtual() {
+            return self
+                .run_step(Grad::Owned(Payload::Size(grad.len())), Some(update))
+                .await;
+        }
+        self.run_step(Grad::Borrowed(grad), Some(update)).await
+    }
+
+    async fn run_step(
+        &mut self,
+        grad: Grad<'_>,
+        mut update: Update<'_>,
+    ) -> Result<StepReport, Error> {
         let len = self.state.params.len();
         if grad.len() != len {
             return Err(Error::Protocol {
                 rank: self.comm.rank(),
                 op: Op::Other("step"),
                 detail: format!("gradient of {} elements for {len} parameters", grad.len()),
+            });
+        }
+        if update.is_none() && self.state.opt.is_none() {
+            return Err(Error::Protocol {
+                rank: self.comm.rank(),
+                op: Op::Other("step"),
+                detail: "this worker's update is computed outside wagma: call step_external"
+                    .into(),
             });
         }
         let t = self.t;
@@ -435,31 +544,74 @@ impl<'c> Worker<'c> {
         };
         let p = self.comm.size();
         let scope = self.cfg.scope;
-        match self.cfg.algorithm.clone() {
+        let algorithm = self.cfg.algorithm.clone();
+        match algorithm {
             Algorithm::AllreduceSgd => {
                 let avg = self.allreduce_gradient(grad.into_payload()).await?;
                 let avg = Grad::Owned(avg);
-                self.state.local_step(t, &avg);
+                self.state.local_step(t, &avg, &mut update);
                 avg.recycle();
                 report.synced = true;
             }
-            Algorithm::LocalSgd { period } => {
-                self.state.local_step(t, &grad);
+            Algorithm::EagerSgd { .. } => {
+                let r = self.comm.arrive(t, grad.into_payload(), t + 1).await?;
+                let mut avg = r.sum.duplicate();
+                avg.scale(1.0 / p as f32);
+                let avg = Grad::Owned(avg);
+                self.state.local_step(t, &avg, &mut update);
+                avg.recycle();
+                report.fresh = Some(r.fresh);
+                report.round = Some(r.round);
+                report.synced = r.kind == RoundKind::Sync;
+                r.recycle();
+                if report.synced {
+                    // The gradient stream carries no buffers: average them at the rounds
+                    // everybody waits for.
+                    self.average_buffers().await?;
+                }
+            }
+            model_averaging => {
+                // The step's change, when it is added after the averaging.
+                let delta = match self.cfg.order {
+                    Order::StepThenAverage => {
+                        self.state.local_step(t, &grad, &mut update);
+                        None
+                    }
+                    Order::AverageThenStep => Some(self.step_aside(t, &grad, &mut update)),
+                };
                 grad.recycle();
-                if (t + 1).is_multiple_of(period) {
+                self.average_model(&model_averaging, t, p, scope, &mut report)
+                    .await?;
+                if let Some(d) = delta {
+                    self.state.params.add(&d);
+                    if let Payload::Data(v) = d {
+                        self.scratch = v;
+                    }
+                }
+            }
+        }
+        self.t += 1;
+        report.waited_s = self.comm.stats().wait_s - waited0;
+        Ok(report)
+    }
+
+    /// The communication of a model-averaging algorithm after step `t`.
+    async fn average_model(
+        &mut self,
+        algorithm: &Algorithm,
+        t: u64,
+        p: usize,
+        scope: Scope,
+        report: &mut StepReport,
+    ) -> Result<(), Error> {
+        match algorithm {
+            Algorithm::LocalSgd { period } => {
+                if (t + 1).is_multiple_of(*period) {
                     self.global_average().await?;
                     report.synced = true;
                 }
             }
             Algorithm::Wagma(o) => {
-                let delta = match self.cfg.order {
-                    Order::StepThenAverage => {
-                        self.state.local_step(t, &grad);
-                        None
-                    }
-                    Order::AverageThenStep => Some(self.delta(t, &grad)),
-                };
-                grad.recycle();
                 let own = self.state.pack(scope);
                 let r = self.comm.arrive(t, own, t + 1).await?;
                 self.fold_round(&r, o.combine, p);
@@ -467,13 +619,8 @@ impl<'c> Worker<'c> {
                 report.round = Some(r.round);
                 report.synced = r.kind == RoundKind::Sync;
                 r.recycle();
-                if let Some(d) = delta {
-                    self.apply_delta(d);
-                }
             }
             Algorithm::DPsgd => {
-                self.state.local_step(t, &grad);
-                grad.recycle();
                 let nb = ring_neighbors(self.comm.rank(), p);
                 let own = self.state.pack(scope);
                 let e = self.comm.exchange(t, &nb, &nb, own, 0.0, t + 1).await?;
@@ -482,8 +629,6 @@ impl<'c> Worker<'c> {
                 e.data.recycle();
             }
             Algorithm::AdPsgd => {
-                self.state.local_step(t, &grad);
-                grad.recycle();
                 let rank = self.comm.rank();
                 let own = self.state.pack(scope);
                 if let Role::Pair(pairing) = &self.role {
@@ -503,8 +648,6 @@ impl<'c> Worker<'c> {
                 }
             }
             Algorithm::Sgp { .. } => {
-                self.state.local_step(t, &grad);
-                grad.recycle();
                 if let Role::PushSum { graph, weight } = &mut self.role {
                     let rank = self.comm.rank();
                     let share = *weight / (graph.peers() + 1) as f64;
@@ -520,22 +663,9 @@ impl<'c> Worker<'c> {
                     report.weight = Some(e.weight);
                 }
             }
-            Algorithm::EagerSgd { .. } => {
-                let r = self.comm.arrive(t, grad.into_payload(), t + 1).await?;
-                let mut avg = r.sum.duplicate();
-                avg.scale(1.0 / p as f32);
-                let avg = Grad::Owned(avg);
-                self.state.local_step(t, &avg);
-                avg.recycle();
-                report.fresh = Some(r.fresh);
-                report.round = Some(r.round);
-                report.synced = r.kind == RoundKind::Sync;
-                r.recycle();
-            }
+            Algorithm::AllreduceSgd | Algorithm::EagerSgd { .. } => {}
         }
-        self.t += 1;
-        report.waited_s = self.comm.stats().wait_s - waited0;
-        Ok(report)
+        Ok(())
     }
 
     /// Folds a wait-avoiding round's result into the model (WAGMA's combination rules).
@@ -551,6 +681,9 @@ impl<'c> Worker<'c> {
                 };
                 self.state.mix(scope, &r.sum, 1.0 / n as f32, false)
             }
+            // A rank alone in its group learns nothing from anyone: its model stays as its
+            // step left it (averaging with its own earlier contribution would undo half a step).
+            RoundKind::Group if r.members.len() <= 1 => {}
             RoundKind::Group => {
                 let k = r.members.len();
                 if r.fresh && combine == CombineRule::Paper {
@@ -562,24 +695,39 @@ impl<'c> Worker<'c> {
         }
     }
 
-    /// The local optimizer's update at the current parameters (advances momentum).
-    fn delta(&mut self, t: u64, grad: &Grad<'_>) -> Payload {
-        let (false, Some(g)) = (self.state.is_virtual(), grad.values()) else {
+    /// Runs the local update of step `t` and returns its change to the parameters, leaving
+    /// the parameters as they were (bit for bit) for an average-then-step order.
+    fn step_aside(&mut self, t: u64, grad: &Grad<'_>, update: &mut Update<'_>) -> Payload {
+        if self.state.is_virtual() || grad.values().is_none() {
             return Payload::Size(grad.len());
-        };
-        let mut d = std::mem::take(&mut self.scratch);
-        d.resize(g.len(), 0.0);
-        self.state
-            .opt
-            .delta(t, self.state.params.as_slice(), g, &mut d);
-        Payload::Data(d)
+        }
+        let mut before = std::mem::take(&mut self.scratch);
+        before.clear();
+        before.extend_from_slice(self.state.params.as_slice());
+        self.state.local_step(t, grad, update);
+        for (w, b) in self.state.params.as_mut_slice().iter_mut().zip(&mut before) {
+            let stepped = *w;
+            *w = *b;
+            *b = stepped - *b;
+        }
+        Payload::Data(before)
     }
 
-    fn apply_delta(&mut self, d: Payload) {
-        self.state.params.add(&d);
-        if let Payload::Data(v) = d {
-            self.scratch = v;
+    /// Sets the buffers to their average over all ranks, when the scope says so.
+    async fn average_buffers(&mut self) -> Result<(), Error> {
+        if !self.cfg.scope.average_buffers || self.state.buffers.is_empty() {
+            return Ok(());
         }
+        let own = self.state.buffers.duplicate();
+        let mean = self.comm.allreduce_mean(own).await?;
+        if !mean.is_virtual() && !self.state.buffers.is_virtual() {
+            self.state
+                .buffers
+                .as_mut_slice()
+                .copy_from_slice(mean.as_slice());
+        }
+        mean.recycle();
+        Ok(())
     }
 
     /// Averages the gradient (and, in scope, the buffers) over all ranks.

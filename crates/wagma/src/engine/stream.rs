@@ -3,7 +3,9 @@
 //! Rules (see the crate documentation for the full semantics):
 //! * A round is activated by the first rank whose compute side arrives at it; the activation
 //!   spreads along the binomial tree rooted at that rank. Every activation message received is
-//!   forwarded along its own tree, so several simultaneous activators still reach every rank.
+//!   forwarded along its own tree, except on the edges this rank already sent the round on for
+//!   another activator: those receivers already carry it on, so several simultaneous activators
+//!   still reach every rank, and no rank sends a round's activation twice on one edge.
 //! * Rounds execute in order at every rank, each at most once. An activated engine runs the
 //!   allreduce of its group at once with the published contribution; a rank whose compute side
 //!   has not arrived is a passive participant.
@@ -24,7 +26,7 @@ use crate::Rank;
 use crate::error::{ConfigError, Error, Op};
 use crate::payload::Payload;
 use crate::schedule::allreduce;
-use crate::topology::{Grouping, GroupingKind, tree_children};
+use crate::topology::{Grouping, GroupingKind, activation_edges};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
 /// Who may start a round.
@@ -207,6 +209,12 @@ impl Stream {
         self.next_round
     }
 
+    /// Whether `round` is activated here and waits to run.
+    #[cfg(test)]
+    pub fn is_activated(&self, round: u64) -> bool {
+        self.activated.contains(&round)
+    }
+
     pub fn describe_wait(&self) -> Option<String> {
         self.waiter.as_ref().map(|w| {
             format!(
@@ -369,11 +377,12 @@ impl Engine {
         Ok(())
     }
 
-    /// Sends this rank's edges of the activation tree rooted at `root` below the dimension it
-    /// received on. With P a power of two the edge on dimension j always joins this rank and
-    /// `rank XOR 2^j`, whatever the root, so each is sent at most once per round however many
-    /// ranks activate it (fflib's consumable sends: at most log2 P messages per rank and round).
-    /// Otherwise every activator's tree is forwarded.
+    /// Sends this rank's edges of the activation tree above the dimension it received on
+    /// ([`activation_edges`]: an edge depends on its sender and dimension only, whatever the
+    /// root). Each edge is sent at most once per round however many activators' trees pass
+    /// through this rank, so a round costs at most `ceil(log2 P)` messages per rank (fflib's
+    /// consumable sends, extended to every P; the topology module proves that skipping an
+    /// edge already sent loses no rank).
     fn forward_activation(
         &mut self,
         now: Time,
@@ -382,17 +391,16 @@ impl Engine {
         received_on: Option<u32>,
         out: &mut Vec<Action>,
     ) {
-        let mut children = tree_children(root, self.rank, self.ranks, received_on);
-        if self.ranks.is_power_of_two() {
-            let mask = self.activations_sent.entry(seq).or_insert(0);
-            children.retain(|e| *mask & (1 << e.dim) == 0);
-            for e in &children {
-                *mask |= 1 << e.dim;
-            }
-            // Old rounds' masks are no longer needed once far behind.
-            while self.activations_sent.len() > 256 {
-                self.activations_sent.pop_first();
-            }
+        let mut children = activation_edges(self.rank, self.ranks, received_on);
+        let mask = self.activations_sent.entry(seq).or_insert(0);
+        children.retain(|e| *mask & (1 << e.dim) == 0);
+        for e in &children {
+            *mask |= 1 << e.dim;
+        }
+        // Old rounds' masks are no longer needed once far behind (forgetting one can only cause
+        // a duplicate, never a missed activation).
+        while self.activations_sent.len() > 256 {
+            self.activations_sent.pop_first();
         }
         for e in children {
             self.send_activation(now, seq, root, e.rank, e.dim, out);

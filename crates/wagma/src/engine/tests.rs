@@ -137,27 +137,133 @@ fn two_activators_run_the_round_once_everywhere() {
     assert_eq!(r3.sum.as_slice(), r0.sum.as_slice());
 }
 
+impl Net {
+    /// Delivers, in wire order, the messages for which `pick(to, envelope)` holds, until none
+    /// is left; the others stay on the wire in their order.
+    fn pump_only(&mut self, pick: impl Fn(Rank, &Envelope) -> bool) {
+        while let Some(i) = self.wire.iter().position(|(to, env)| pick(*to, env)) {
+            let Some((to, env)) = self.wire.remove(i) else {
+                return;
+            };
+            let mut out = Vec::new();
+            self.engines[to].on_message(Duration::ZERO, env, &mut out);
+            self.absorb(to, out);
+        }
+    }
+}
+
 #[test]
 fn rounds_run_in_order_even_when_activations_overtake() {
+    // P = 4, S = 2: round 0 groups {0,1},{2,3}; round 1 groups {0,2},{1,3}. The first stream's
+    // sequence numbers are the round numbers.
     let mut net = Net::new(4);
     open(&mut net, 2, 2);
     arrive(&mut net, 0, 0, 1.0);
-    // Deliver only rank 0's first activation, then let rank 0 race ahead to round 1 by
-    // completing round 0 with its partner.
-    net.pump(10_000);
-    let _ = net.take_round(0, 0);
+    // Ranks 0 and 1 run round 0; everything for ranks 2 and 3 is held back.
+    net.pump_only(|to, _| to < 2);
+    let r0 = net.take_round(0, 0);
+    assert_eq!(r0.sum.as_slice(), &[2.0; 2]);
     arrive(&mut net, 0, 1, 2.0);
+    net.pump_only(|to, _| to < 2);
+    assert!(
+        net.wire
+            .iter()
+            .any(|(to, env)| *to == 2 && env.tag.kind == Kind::Activation && env.tag.seq == 0),
+        "round 0's activation to rank 2 is still held back"
+    );
+    // Round 1's messages overtake round 0's: rank 2 hears of round 1 first and must wait.
+    net.pump_only(|to, env| to >= 2 && env.tag.seq == 1);
+    for r in [2, 3] {
+        let s = net.engines[r].stream.as_ref().unwrap();
+        assert_eq!(
+            (net.engines[r].stats.rounds, s.next_round()),
+            (0, 0),
+            "rank {r} ran a round out of order"
+        );
+    }
+    assert!(
+        net.engines[2].stream.as_ref().unwrap().is_activated(1),
+        "rank 2 got round 1's activation first"
+    );
+    // Now the held-back round 0 arrives: rounds 0 then 1 run everywhere, once each.
     net.pump(10_000);
     for e in &net.engines {
         assert_eq!(e.stats.rounds, 2, "rank {}", e.rank);
-        let s = e.stream.as_ref().unwrap();
-        assert_eq!(s.next_round(), 2);
+        assert_eq!(e.stream.as_ref().unwrap().next_round(), 2);
     }
-    // Rank 2 arrives at round 0 late and gets the most recent result (round 1).
+    // Rank 2 arrives at round 0 late and gets the most recent result: round 1 of group {0,2},
+    // rank 0's 2.0 plus its own initial 2.0.
     arrive(&mut net, 2, 0, 5.0);
     let r = net.take_round(2, 0);
     assert_eq!((r.requested, r.round), (0, 1));
+    assert_eq!(r.sum.as_slice(), &[4.0; 2]);
     assert!(!r.fresh);
+}
+
+/// Every rank arrives at every round at once, for P not a power of two: each rank sends a
+/// round's activation at most once per edge (at most `ceil(log2 P)` per round), and every rank
+/// runs every round exactly once with the right group.
+#[test]
+fn simultaneous_activators_send_each_edge_once_for_any_p() {
+    for p in [5usize, 6, 7, 12] {
+        let dims = usize::BITS - (p - 1).leading_zeros();
+        let mut net = Net::new(p);
+        let s = if p == 12 { 4 } else { 2 };
+        open(&mut net, s, 2);
+        let grouping = crate::topology::Grouping::new(p, s, GroupingKind::Butterfly).unwrap();
+        for round in 0..4u64 {
+            net.sent.clear();
+            for r in 0..p {
+                arrive(&mut net, r, round, 10.0 + r as f32);
+            }
+            net.pump(100_000);
+            let activations: Vec<_> = net
+                .sent
+                .iter()
+                .filter(|m| m.2 == Kind::Activation)
+                .collect();
+            assert!(activations.iter().all(|m| m.3 == round));
+            for r in 0..p {
+                let mut to: Vec<Rank> = activations
+                    .iter()
+                    .filter(|m| m.0 == r)
+                    .map(|m| m.1)
+                    .collect();
+                assert!(
+                    to.len() <= dims as usize,
+                    "P={p} rank {r} sent {}",
+                    to.len()
+                );
+                to.sort_unstable();
+                assert!(
+                    to.windows(2).all(|w| w[0] != w[1]),
+                    "P={p} rank {r}: {to:?}"
+                );
+            }
+            assert!(activations.len() <= p * dims as usize, "P={p}");
+            for r in 0..p {
+                let res = net.take_round(r, round);
+                assert!(res.fresh, "P={p} rank {r} round {round}");
+                let group = grouping.group_of(r, round);
+                let want: f32 = group.iter().map(|&m| 10.0 + m as f32).sum();
+                assert_eq!(
+                    res.sum.as_slice(),
+                    &[want; 2],
+                    "P={p} rank {r} round {round}"
+                );
+                assert_eq!(net.engines[r].stats.rounds, round + 1, "P={p} rank {r}");
+            }
+        }
+        // A single activator: everyone still runs the round once, with fewer than 2P messages.
+        net.sent.clear();
+        arrive(&mut net, p - 1, 4, 1.0);
+        net.pump(100_000);
+        let sent = net.sent.iter().filter(|m| m.2 == Kind::Activation).count();
+        assert!(sent >= p - 1 && sent < 2 * p, "P={p}: {sent}");
+        for e in &net.engines {
+            assert_eq!(e.stats.rounds, 5, "P={p} rank {}", e.rank);
+        }
+    }
 }
 
 #[test]

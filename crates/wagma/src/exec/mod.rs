@@ -7,6 +7,7 @@
 //! simulated network delivers. The same training code runs under both.
 
 mod comm;
+pub mod launch;
 pub mod threaded;
 pub mod virtual_time;
 

@@ -6,24 +6,58 @@
 //!   r is every rank that differs from r only in the bit positions
 //!   `{(t*log2 S + j) mod log2 P : j < log2 S}`. Example P = 8, S = 4: round 0 gives
 //!   `{0,1,2,3},{4,5,6,7}`, round 1 gives `{0,1,4,5},{2,3,6,7}`.
-//! * **Other P, S** (mixed radix): let `m = ceil(log_S P)`. If P is the product of `m` factors
-//!   no larger than S, the ranks are numbered in that mixed radix (the most balanced factors are
-//!   chosen) and round t groups the ranks that differ only in digit `t mod m`. Every group of a
-//!   round has the same size and any `m` consecutive rounds mix every rank with every other (the
-//!   optimum: a group of at most S members can spread a model at most S-fold per round).
-//!   Otherwise (P has a prime factor above S, for example) the digits are balanced with a
-//!   product just above P; numbers `>= P` are missing, so some groups of the round come out
-//!   short, and short groups are merged while the merged size stays at most S. Mixing is then
-//!   guaranteed within `2m` rounds: a model first walks down (each digit to the smaller of the
-//!   two ranks' digits) and then up, never through a missing number. Mixing within `m` rounds is
-//!   impossible for some of these (P, S): with P = 7, S = 2 the rank left alone in a round reaches
-//!   at most 4 ranks in 3 rounds. [`Grouping::mixing_rounds`] returns the bound that holds.
+//! * **P a product of `m = ceil(log_S P)` factors no larger than S** (mixed radix): the ranks are
+//!   numbered in that mixed radix (the most balanced factors are chosen) and round t groups the
+//!   ranks that differ only in digit `t mod m`. Every group of a round has the same size and any
+//!   `m` consecutive rounds mix every rank with every other: the optimum (see below).
+//! * **Any other P <= 64** (searched table): each round is a partition into `c = ceil(P/S)`
+//!   groups whose sizes are `floor(P/c)` or `ceil(P/c)` (the fewest groups, sizes differing by at
+//!   most one), and the schedule repeats with period R, where R is the smallest number for which
+//!   a deterministic local search (seeded, integer only, so every rank computes the same table)
+//!   finds R partitions whose every cyclic window of R rounds mixes. The search starts at the
+//!   lower bound below, so when it succeeds there the schedule is optimal. For every P <= 40 and
+//!   every S it does (checked by `tests/topology.rs`) except S = 2 with P = 26, 28, 29, 30, 31,
+//!   38 or 40, where it finds one round more than the bound (whether the bound is reachable
+//!   there is open). Between 41 and 64 ranks it finds the bound for most S and one or two rounds
+//!   more for some S <= 4 (P = 60, S = 4: 4 rounds for a bound of 3, where the merged radix
+//!   needs 6). The P = 7, S = 4 table is, for example, 2 rounds where the old mixed radix
+//!   needed 4. The search costs up to about a second (optimized build) for the hardest P, once
+//!   per process.
+//! * **Larger P that is not such a product**: the digits are balanced with a product just above
+//!   P; numbers `>= P` are missing, so some groups of the round come out short, and short groups
+//!   are merged while the merged size stays at most S. Mixing is then guaranteed within `2m`
+//!   rounds: a model first walks down (each digit to the smaller of the two ranks' digits) and
+//!   then up, never through a missing number. (Not balanced and not optimal; a search over
+//!   P > 64 ranks would be too slow to run when a stream opens.)
+//!
+//! [`Grouping::mixing_rounds`] returns the window that holds for the schedule in use.
+//!
+//! # The lower bound
+//! Let `c = ceil(P/S)`: a round whose groups have at most S members has at least c groups, so
+//! with sizes differing by at most one its smallest group has at most `lo = floor(P/c)` members
+//! and every group at most `hi = ceil(P/c)` (both only shrink with more groups). Take a window of
+//! R rounds and a smallest group G of its last round. The ranks whose models reach G's members
+//! over the window are found walking backwards: at the last round they are G itself, and every
+//! earlier round replaces each rank by its group, multiplying the count by at most `hi`. So at
+//! most `lo * hi^(R-1)` ranks reach G; mixing needs all P of them:
+//! `R >= min { R : lo * hi^(R-1) >= P }` ([`Grouping::mixing_lower_bound`]). This is at least
+//! `ceil(log_S P)` (`lo <= hi <= S`) and can exceed it: P = 7, S = 3 gives `c = 3`, `lo = 2`,
+//! `hi = 3`, so 2 rounds reach at most 6 ranks and the optimum is 3 although `3^2 >= 7`; with
+//! S = 2 and P odd some rank is alone in every round and the optimum is `ceil(log2 P) + 1`
+//! (P = 7, S = 2: 4 rounds, so the old claim that `ceil(log_S P)` is out of reach holds there,
+//! but not for P = 7, S = 4 or P = 5, S = 4, which mix in 2). The powers of two and the exact
+//! mixed radix reach `ceil(log_S P)`, so the bound equals it for them. In two rounds the bound
+//! is also sufficient: `lo * hi >= P` holds iff `c^2 <= P`, and then c consecutive blocks
+//! followed by the residues mod c meet pairwise.
 //! * **Fixed**: round 0's partition in every round (never mixes across groups).
 //! * **Random(seed)**: each round a seeded permutation cut into `ceil(P/S)` groups of as equal
 //!   sizes as possible.
 
-use rand::SeedableRng;
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
@@ -116,6 +150,9 @@ enum Layout {
     Bits { bits: u32, total: u32 },
     /// Mixed radix (digit 0 least significant); `exact` when the product is P.
     Radix { radices: Vec<usize>, exact: bool },
+    /// A searched periodic schedule: `rounds[t mod rounds.len()]` is round t's partition, and
+    /// every cyclic window of `rounds.len()` rounds mixes.
+    Table { rounds: Vec<Vec<Vec<Rank>>> },
 }
 
 /// Partition of the P ranks into groups, per round.
@@ -153,9 +190,12 @@ impl Grouping {
                     radices,
                     exact: true,
                 },
-                None => Layout::Radix {
-                    radices: truncated_radices(ranks, m, group_size),
-                    exact: false,
+                None => match searched_schedule(ranks, group_size) {
+                    Some(rounds) => Layout::Table { rounds },
+                    None => Layout::Radix {
+                        radices: truncated_radices(ranks, m, group_size),
+                        exact: false,
+                    },
                 },
             }
         };
@@ -235,6 +275,7 @@ impl Grouping {
                     merge_short_groups(groups, radix, self.group_size)
                 }
             }
+            Layout::Table { rounds } => rounds[(round % rounds.len() as u64) as usize].clone(),
         }
     }
 
@@ -280,10 +321,27 @@ impl Grouping {
             } else {
                 2 * radices.len()
             }),
+            Layout::Table { rounds } => Some(rounds.len()),
         }
     }
 
-    /// `ceil(log_S P)`: the fewest rounds in which groups of S can mix P ranks.
+    /// The fewest rounds in which partitions into groups of at most S members whose sizes
+    /// differ by at most one within a round can mix P ranks (the module's "lower bound":
+    /// `min { R : floor(P/c) * ceil(P/c)^(R-1) >= P }` with `c = ceil(P/S)`). `None` for S = 1
+    /// with P > 1. The butterfly reaches it whenever [`Grouping::mixing_rounds`] equals it.
+    pub fn mixing_lower_bound(&self) -> Option<usize> {
+        if self.ranks == 1 {
+            Some(0)
+        } else if self.group_size == 1 {
+            None
+        } else {
+            Some(balanced_lower_bound(self.ranks, self.group_size))
+        }
+    }
+
+    /// `ceil(log_S P)`: a model spreads at most S-fold per round, so no grouping with groups of
+    /// at most S mixes P ranks in fewer rounds (balanced groups may need more:
+    /// [`Grouping::mixing_lower_bound`]).
     pub fn optimal_mixing_rounds(&self) -> usize {
         if self.ranks == 1 {
             0
@@ -293,6 +351,144 @@ impl Grouping {
             ceil_log(self.ranks, self.group_size)
         }
     }
+}
+
+/// The module's lower bound for balanced groups (2 <= s, 2 <= p).
+fn balanced_lower_bound(p: usize, s: usize) -> usize {
+    if s >= p {
+        return 1;
+    }
+    let c = p.div_ceil(s);
+    let (lo, hi) = (p / c, p.div_ceil(c));
+    let (mut rounds, mut reach) = (1, lo);
+    while reach < p {
+        reach = reach.saturating_mul(hi);
+        rounds += 1;
+    }
+    rounds
+}
+
+/// Largest P for which a schedule is searched: the reachability check then fits one `u64` per
+/// rank, and the search takes milliseconds.
+const SEARCH_MAX_RANKS: usize = 64;
+
+/// Work allowed to the search per window length tried, in rank-rounds of reachability checks:
+/// an evaluation of a window of R rounds costs about `R^2 * P`. About a second in an optimized
+/// build for the hardest P <= 64; the result is cached per process.
+const SEARCH_WORK: usize = 600_000_000;
+
+/// Window lengths tried above the lower bound before giving up on the search.
+const SEARCH_SLACK: usize = 2;
+
+/// Sum over the cyclic windows of `rounds` of the (rank, rank) pairs not yet mixed at its end:
+/// zero when every window mixes. `rounds[k][g]` lists group g of round k; `p <= 64`.
+fn unmixed_pairs(p: usize, rounds: &[Vec<Vec<Rank>>]) -> u32 {
+    let mut seen = [0u64; SEARCH_MAX_RANKS];
+    let mut total = 0;
+    for start in 0..rounds.len() {
+        for (r, s) in seen.iter_mut().enumerate().take(p) {
+            *s = 1 << r;
+        }
+        for k in 0..rounds.len() {
+            for group in &rounds[(start + k) % rounds.len()] {
+                let union = group.iter().fold(0, |u, &m| u | seen[m]);
+                for &m in group {
+                    seen[m] = union;
+                }
+            }
+        }
+        total += seen[..p]
+            .iter()
+            .map(|s| p as u32 - s.count_ones())
+            .sum::<u32>();
+    }
+    total
+}
+
+/// A periodic schedule of balanced partitions (`ceil(p/s)` groups, sizes differing by at most
+/// one) whose every cyclic window of its period mixes, with the shortest period the search finds
+/// from the lower bound up to [`SEARCH_SLACK`] more (and never beyond `2 ceil(log_s p)`, what the
+/// merged mixed radix guarantees); `None` when p is too large to search or nothing is found.
+///
+/// The search is a local search on the number of unmixed pairs: swap two ranks of different
+/// groups of one round (which keeps the sizes) and keep the swap unless it makes things worse.
+/// (Accepting worse tables now and then, as simulated annealing does, found fewer optima.)
+/// It is seeded by (p, s) and uses integers only, so every rank computes the same table.
+fn searched_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
+    if p > SEARCH_MAX_RANKS || s < 2 || s >= p {
+        return None;
+    }
+    // Every engine of a process (and every stream it opens) builds the same grouping: search
+    // once per (P, S).
+    type Cache = Mutex<HashMap<(usize, usize), Option<Vec<Vec<Vec<Rank>>>>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let cache = CACHE.get_or_init(Cache::default);
+    // A poisoned lock only means another thread panicked while holding it; the map itself is
+    // always complete entries, so it stays usable.
+    if let Some(hit) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(p, s)) {
+        return hit.clone();
+    }
+    let found = search_schedule(p, s);
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((p, s), found.clone());
+    found
+}
+
+fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
+    let c = p.div_ceil(s);
+    let lengths: Vec<usize> = (0..c).map(|g| p / c + usize::from(g < p % c)).collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5741_474D_u64 ^ ((p as u64) << 32) ^ s as u64);
+    let bound = balanced_lower_bound(p, s);
+    let give_up = (2 * ceil_log(p, s)).min(bound + SEARCH_SLACK);
+    for window in bound..=give_up {
+        let mut rounds: Vec<Vec<Vec<Rank>>> = (0..window)
+            .map(|_| {
+                let mut order: Vec<Rank> = (0..p).collect();
+                order.shuffle(&mut rng);
+                let mut at = 0;
+                lengths
+                    .iter()
+                    .map(|&len| {
+                        at += len;
+                        order[at - len..at].to_vec()
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut current = unmixed_pairs(p, &rounds);
+        for _ in 0..SEARCH_WORK / (window * window * p) {
+            if current == 0 {
+                break;
+            }
+            let k = rng.random_range(0..window);
+            let a = rng.random_range(0..c);
+            let b = (a + rng.random_range(1..c)) % c;
+            let i = rng.random_range(0..lengths[a]);
+            let j = rng.random_range(0..lengths[b]);
+            let (x, y) = (rounds[k][a][i], rounds[k][b][j]);
+            rounds[k][a][i] = y;
+            rounds[k][b][j] = x;
+            let next = unmixed_pairs(p, &rounds);
+            if next <= current {
+                current = next;
+            } else {
+                rounds[k][a][i] = x;
+                rounds[k][b][j] = y;
+            }
+        }
+        if current == 0 {
+            for round in &mut rounds {
+                for group in round.iter_mut() {
+                    group.sort_unstable();
+                }
+                round.sort_by_key(|g| g[0]);
+            }
+            return Some(rounds);
+        }
+    }
+    None
 }
 
 /// Bits of the window used in round `round`: `{(round*bits + j) mod total : j < bits}`.

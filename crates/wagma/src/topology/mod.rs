@@ -7,4 +7,4 @@ mod tree;
 
 pub use graphs::{ExponentialGraph, PairRole, Pairing, ring_neighbors};
 pub use grouping::{Grouping, GroupingKind, default_group_size};
-pub use tree::{TreeEdge, tree_children, tree_parent};
+pub use tree::{TreeEdge, activation_edges, tree_children, tree_parent};

@@ -50,6 +50,9 @@ pub struct TcpConfig {
     pub rejoin: bool,
     /// Keep listening after start-up for restarted peers that rejoin (elastic mode).
     pub accept_rejoins: bool,
+    /// Rank 0 writes the address its rendezvous listener bound to this file, so that a
+    /// rendezvous on port 0 (the OS picks a free one) can be handed to the other ranks.
+    pub rendezvous_file: Option<std::path::PathBuf>,
 }
 
 /// Environment variables read by [`TcpConfig::from_env`].
@@ -66,6 +69,9 @@ pub mod env {
     pub const SECRET: &str = "WAGMA_SECRET";
     /// Address to listen on for peers (optional).
     pub const BIND: &str = "WAGMA_BIND";
+    /// File where rank 0 writes the rendezvous address it bound (optional; see
+    /// [`super::TcpConfig::rendezvous_file`]).
+    pub const RENDEZVOUS_FILE: &str = "WAGMA_RENDEZVOUS_FILE";
 }
 
 impl TcpConfig {
@@ -87,6 +93,7 @@ impl TcpConfig {
             max_frame_bytes: super::DEFAULT_MAX_FRAME,
             rejoin: false,
             accept_rejoins: false,
+            rendezvous_file: None,
         }
     }
 
@@ -118,6 +125,7 @@ impl TcpConfig {
                 detail: format!("{b:?} is not an IP address"),
             })?);
         }
+        cfg.rendezvous_file = get(env::RENDEZVOUS_FILE).map(Into::into);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -290,6 +298,20 @@ fn accept_peers(
     Ok(got)
 }
 
+/// Writes `addr` to `path` atomically (a complete file or none).
+fn publish_rendezvous(path: &std::path::Path, addr: SocketAddr) -> std::io::Result<()> {
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, addr.to_string())?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The rendezvous address rank 0 wrote to `path` ([`TcpConfig::rendezvous_file`]), once it
+/// has: `None` before.
+pub fn read_rendezvous(path: &std::path::Path) -> Option<String> {
+    let s = std::fs::read_to_string(path).ok()?;
+    s.trim().parse::<SocketAddr>().ok().map(|a| a.to_string())
+}
+
 /// Joins the job described by `cfg`: rendezvous, one authenticated connection per peer, a
 /// reader thread per connection delivering into `inbox`.
 pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport, TransportError> {
@@ -300,10 +322,16 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
     let p = cfg.world;
     let rdv = resolve(&cfg.rendezvous)?;
     let rdv_listener = if me == 0 {
-        Some(
-            TcpListener::bind(rdv)
-                .map_err(|e| TransportError::io(format!("binding the rendezvous {rdv}"), &e))?,
-        )
+        let l = TcpListener::bind(rdv)
+            .map_err(|e| TransportError::io(format!("binding the rendezvous {rdv}"), &e))?;
+        if let Some(path) = &cfg.rendezvous_file {
+            let bound = l
+                .local_addr()
+                .map_err(|e| TransportError::io("rendezvous address", &e))?;
+            publish_rendezvous(path, bound)
+                .map_err(|e| TransportError::io(format!("writing {}", path.display()), &e))?;
+        }
+        Some(l)
     } else {
         None
     };
