@@ -9,7 +9,11 @@ use clap::Args as ClapArgs;
 use comfy_table::Table;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use wagma::algo::{Algorithm, CombineRule, EagerMode, LrSchedule, Order, WagmaOptions};
+use wagma::algo::{
+    Algorithm, CombineRule, EagerMode, LrSchedule, OptimizerConfig, OptimizerKind, Order,
+    WagmaOptions,
+};
+use wagma::exec::launch::TransportChoice;
 use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::GroupingKind;
 use wagma_train::config::default_optimizer;
@@ -52,7 +56,7 @@ pub struct Args {
     #[arg(long)]
     pub groups: Option<String>,
     /// WAGMA: blocking group averaging instead of wait-avoiding (lock-step).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub blocking: Option<bool>,
     /// Step and average order: step-then-average or average-then-step.
     #[arg(long)]
@@ -67,10 +71,10 @@ pub struct Args {
     #[arg(long)]
     pub eager_sync: Option<String>,
     /// Average BatchNorm statistics with the parameters.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_buffers: Option<bool>,
-    /// Average the optimizer's momentum too.
-    #[arg(long)]
+    /// Average wagma's optimizer state (momentum, Adam's moments) with the model too.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_optimizer_state: Option<bool>,
     /// Seed.
     #[arg(long)]
@@ -90,12 +94,35 @@ pub struct Args {
     /// Samples (sentences; episodes for navigate) per local step.
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Local optimizer: sgd, adam or adamw (default: the workload's; image uses SGD with
+    /// momentum, translate and navigate use Adam).
+    #[arg(long)]
+    pub optimizer: Option<String>,
     /// Peak learning rate (keeps the workload's schedule shape).
     #[arg(long)]
     pub lr: Option<f32>,
-    /// Momentum.
+    /// Learning-rate schedule: constant, cosine or step (x0.1 at half and three quarters of
+    /// the steps), after the warm-up.
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Linear warm-up steps.
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// Momentum (sgd).
     #[arg(long)]
     pub momentum: Option<f32>,
+    /// Adam's beta1 (0 < b < 1).
+    #[arg(long)]
+    pub beta1: Option<f32>,
+    /// Adam's beta2 (0 < b < 1).
+    #[arg(long)]
+    pub beta2: Option<f32>,
+    /// Adam's epsilon (> 0).
+    #[arg(long)]
+    pub eps: Option<f32>,
+    /// Clip the gradient to this global L2 norm, or "never".
+    #[arg(long)]
+    pub clip_norm: Option<String>,
     /// Weight decay.
     #[arg(long)]
     pub weight_decay: Option<f32>,
@@ -110,8 +137,12 @@ pub struct Args {
     /// `--features mpi`).
     #[arg(long)]
     pub transport: Option<String>,
-    /// Run every rank in the deterministic virtual-time scheduler (bit-reproducible).
+    /// Training device: flex (CPU, default), cuda, cuda:N or wgpu (GPU backends need a build
+    /// with `--features cuda` or `--features wgpu`).
     #[arg(long)]
+    pub device: Option<String>,
+    /// Run every rank in the deterministic virtual-time scheduler (bit-reproducible).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub deterministic: Option<bool>,
     /// Image data: a directory of MNIST-format IDX files.
     #[arg(long)]
@@ -151,7 +182,7 @@ pub struct Args {
     #[arg(long)]
     pub timeout: Option<f64>,
     /// No progress bar.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub quiet: Option<bool>,
 }
 
@@ -188,6 +219,133 @@ fn never_or<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Option<
     s.parse()
         .map(Some)
         .map_err(|_| anyhow::anyhow!("invalid {what}: {s:?} (a number or \"never\")"))
+}
+
+/// How the ranks run. Started by a launcher (`wagma launch`, mpirun, srun, torchrun) without
+/// `--transport`, this process joins the launcher's job (rather than starting a job of its own
+/// in every process).
+fn execution(a: &Args) -> anyhow::Result<Execution> {
+    let launcher = wagma::transport::discover::discover_env()?;
+    let deterministic = a.deterministic.unwrap_or(false);
+    Ok(match (a.transport.as_deref(), deterministic, &launcher) {
+        (None, false, Some(_)) => {
+            match TransportChoice::from_lookup(&|k| std::env::var(k).ok())? {
+                TransportChoice::Mpi => Execution::Mpi,
+                _ => Execution::Tcp,
+            }
+        }
+        (None | Some("mem"), _, Some(d)) => bail!(
+            "started by a launcher ({} says rank {} of {}), but {} runs every rank in this \
+             process: every process would train a job of its own. Use --transport tcp or mpi \
+             to join the launcher's job, or start wagma train without a launcher",
+            d.source,
+            d.rank,
+            d.world,
+            if deterministic { "--deterministic" } else { "--transport mem" }
+        ),
+        (None | Some("mem"), false, None) => Execution::Threads,
+        (None | Some("mem"), true, None) => Execution::Deterministic,
+        (Some("tcp"), false, _) => Execution::Tcp,
+        (Some("mpi"), false, _) => Execution::Mpi,
+        (Some(t @ ("tcp" | "mpi")), true, _) => {
+            bail!("--deterministic runs in one process; it cannot use --transport {t}")
+        }
+        (Some(t), _, _) => bail!("invalid transport {t:?} (mem, tcp or mpi)"),
+    })
+}
+
+/// The local optimizer: the workload's default, with the flags over it.
+fn optimizer(a: &Args, w: WorkloadKind, steps: u64) -> anyhow::Result<OptimizerConfig> {
+    let mut opt = default_optimizer(w, steps);
+    if let Some(k) = &a.optimizer {
+        let kind: OptimizerKind = k.parse()?;
+        if kind != opt.kind {
+            // Another rule: its customary peak rate, the workload's schedule shape.
+            let (lr, momentum) = match kind {
+                OptimizerKind::Sgd => (0.05, 0.9),
+                OptimizerKind::Adam | OptimizerKind::AdamW => (1e-3, 0.0),
+            };
+            set_peak(&mut opt.lr, lr);
+            opt = OptimizerConfig {
+                kind,
+                momentum,
+                nesterov: false,
+                ..opt
+            };
+        }
+    }
+    if let Some(lr) = a.lr {
+        set_peak(&mut opt.lr, lr);
+    }
+    let peak = peak(&opt.lr);
+    let warmup = a.warmup.unwrap_or(match &opt.lr {
+        LrSchedule::Constant { .. } => 0,
+        LrSchedule::WarmupStep { warmup, .. } | LrSchedule::Cosine { warmup, .. } => *warmup,
+    });
+    let step = |milestones: Vec<u64>, gamma: f32| LrSchedule::WarmupStep {
+        lr: peak,
+        warmup,
+        milestones,
+        gamma,
+    };
+    match a.schedule.as_deref() {
+        None if a.warmup.is_none() => {}
+        None => match &mut opt.lr {
+            LrSchedule::Constant { .. } => opt.lr = step(vec![], 1.0),
+            LrSchedule::WarmupStep { warmup: w, .. } | LrSchedule::Cosine { warmup: w, .. } => {
+                *w = warmup
+            }
+        },
+        Some("constant") if warmup == 0 => opt.lr = LrSchedule::Constant { lr: peak },
+        Some("constant") => opt.lr = step(vec![], 1.0),
+        Some("cosine") => {
+            opt.lr = LrSchedule::Cosine {
+                lr: peak,
+                warmup,
+                total: steps,
+                min_lr: 0.0,
+            }
+        }
+        Some("step") => opt.lr = step(vec![steps / 2, steps * 3 / 4], 0.1),
+        Some(x) => bail!("invalid schedule {x:?} (constant, cosine or step)"),
+    }
+    if let Some(m) = a.momentum {
+        opt.momentum = m;
+        if m == 0.0 {
+            opt.nesterov = false;
+        }
+    }
+    if let Some(w) = a.weight_decay {
+        opt.weight_decay = w;
+    }
+    if let Some(b) = a.beta1 {
+        opt.betas.0 = b;
+    }
+    if let Some(b) = a.beta2 {
+        opt.betas.1 = b;
+    }
+    if let Some(e) = a.eps {
+        opt.eps = e;
+    }
+    if let Some(c) = &a.clip_norm {
+        opt.clip_norm = never_or(c, "clip-norm")?;
+    }
+    opt.validate()?;
+    Ok(opt)
+}
+
+fn set_peak(s: &mut LrSchedule, lr: f32) {
+    match s {
+        LrSchedule::Constant { lr: x }
+        | LrSchedule::WarmupStep { lr: x, .. }
+        | LrSchedule::Cosine { lr: x, .. } => *x = lr,
+    }
+}
+
+fn peak(s: &LrSchedule) -> f32 {
+    match s {
+        LrSchedule::Constant { lr } | LrSchedule::WarmupStep { lr, .. } | LrSchedule::Cosine { lr, .. } => *lr,
+    }
 }
 
 fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
@@ -269,16 +427,7 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     } else if a.time_scale.is_some() {
         bail!("--time-scale needs --imbalance");
     }
-    c.execution = match (a.transport.as_deref(), a.deterministic.unwrap_or(false)) {
-        (None | Some("mem"), false) => Execution::Threads,
-        (None | Some("mem"), true) => Execution::Deterministic,
-        (Some("tcp"), false) => Execution::Tcp,
-        (Some("mpi"), false) => Execution::Mpi,
-        (Some(t @ ("tcp" | "mpi")), true) => {
-            bail!("--deterministic runs in one process; it cannot use --transport {t}")
-        }
-        (Some(t), _) => bail!("invalid transport {t:?} (mem, tcp or mpi)"),
-    };
+    c.execution = execution(a)?;
     if c.execution.is_multi_process() {
         // One process per rank: the launcher says how many (what `--epochs` divides by).
         if let Some(d) = wagma::transport::discover::discover_env()? {
@@ -318,22 +467,9 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
             Duration::try_from_secs_f64(t).map_err(|_| anyhow::anyhow!("invalid timeout {t}"))?;
     }
     c.progress = !a.quiet.unwrap_or(false);
-    let mut opt = default_optimizer(c.workload, c.steps);
-    if let Some(lr) = a.lr {
-        match &mut opt.lr {
-            LrSchedule::Constant { lr: x }
-            | LrSchedule::WarmupStep { lr: x, .. }
-            | LrSchedule::Cosine { lr: x, .. } => *x = lr,
-        }
-    }
-    if let Some(m) = a.momentum {
-        opt.momentum = m;
-        if m == 0.0 {
-            opt.nesterov = false;
-        }
-    }
-    if let Some(w) = a.weight_decay {
-        opt.weight_decay = w;
+    let opt = optimizer(a, c.workload, c.steps)?;
+    if let Some(d) = &a.device {
+        c.device = d.parse()?;
     }
     c.optimizer = Some(opt);
     c.out = a.out.clone().unwrap_or_else(|| {
@@ -364,8 +500,14 @@ impl Observer for Bar {
 
     fn eval(&self, r: &EvalRecord) {
         if let Some(v) = r.consensus.get(self.primary) {
-            self.bar
-                .set_message(format!("{} {:.4} at {}", self.primary, v, r.iteration));
+            let loss = r
+                .train_loss
+                .map(|l| format!("  loss {l:.4}"))
+                .unwrap_or_default();
+            self.bar.set_message(format!(
+                "{} {:.4} at {}{loss}",
+                self.primary, v, r.iteration
+            ));
         }
     }
 }

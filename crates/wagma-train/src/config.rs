@@ -98,6 +98,9 @@ pub struct TrainConfig {
     pub imbalance: Option<Imbalance>,
     /// How ranks run.
     pub execution: Execution,
+    /// The device the models train on.
+    #[serde(default)]
+    pub device: crate::device::DeviceChoice,
     /// Output directory.
     pub out: PathBuf,
     /// Checkpoint every this many iterations (rounded up to the algorithm's next clean point).
@@ -144,6 +147,7 @@ impl Default for TrainConfig {
             seed: 1,
             imbalance: None,
             execution: Execution::Threads,
+            device: crate::device::DeviceChoice::Flex,
             out: PathBuf::from("runs/latest"),
             checkpoint_every: None,
             trace_compute: None,

@@ -45,6 +45,9 @@ pub struct EvalRecord {
     /// Ranks taking part (fewer than the job's after a loss in elastic mode).
     #[serde(default)]
     pub ranks_alive: usize,
+    /// Training loss since the previous evaluation, mean over ranks and steps.
+    #[serde(default)]
+    pub train_loss: Option<f64>,
 }
 
 /// Staleness buckets carried by a summation over ranks (the last one collects the rest).
@@ -324,6 +327,7 @@ pub fn run<W: Workload>(
     observer: &dyn Observer,
 ) -> Result<Summary, TrainError> {
     cfg.validate()?;
+    crate::device::select(cfg.device)?;
     let init = initial_model(w, cfg.seed);
     let engine = EngineConfig {
         timeout: cfg.timeout,
@@ -504,6 +508,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     // Ranks still training (fewer after a loss in elastic mode; learnt at evaluations and
     // admissions).
     let mut trace: Vec<ComputeLine> = Vec::new();
+    let mut losses = LossSum::default();
     for t in start_iter..cfg.steps {
         if let Some(im) = &cfg.imbalance {
             let d = im.step_times(t, p).get(rank).copied().unwrap_or(0.0);
@@ -516,6 +521,9 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         let local_t0 = std::time::Instant::now();
         let step_start = worker.comm().now();
         let (loss, n) = w.loss(fm.model(), &mut local, t);
+        if let Some(l) = loss.clone().into_data().iter::<f32>().next() {
+            losses.add(l);
+        }
         let grads = fm.backward(loss);
         if worker.comm().tracing() {
             let end = worker.comm().now().max(step_start + local_t0.elapsed());
@@ -546,7 +554,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         if done % cfg.eval_every == 0 || done == cfg.steps {
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
-            let ev = evaluate(&mut worker, &mut fm, s, done, samples, now).await?;
+            let ev = evaluate(&mut worker, &mut fm, s, done, samples, now, &mut losses).await?;
             excluded += (worker.comm().now() - e0).as_secs_f64();
             out_of_budget = ev.out_of_budget;
             alive = ev.record.ranks_alive;
@@ -719,6 +727,20 @@ async fn admit_joiners(
     Ok(Some(alive))
 }
 
+/// This rank's training losses since the last evaluation.
+#[derive(Default)]
+struct LossSum {
+    sum: f64,
+    steps: u64,
+}
+
+impl LossSum {
+    fn add(&mut self, loss: f32) {
+        self.sum += f64::from(loss);
+        self.steps += 1;
+    }
+}
+
 async fn evaluate<W: Workload>(
     worker: &mut Worker<'_>,
     fm: &mut FlatModel<W::Model>,
@@ -726,6 +748,7 @@ async fn evaluate<W: Workload>(
     iteration: u64,
     samples: u64,
     wall_s: f64,
+    losses: &mut LossSum,
 ) -> Result<Evaluation, TrainError> {
     let rank = worker.comm().rank();
     let distance = worker.consensus_distance().await?;
@@ -754,9 +777,13 @@ async fn evaluate<W: Workload>(
     // Waiting, staleness and liveness so far, summed over ranks.
     let m = stats.len();
     stats.extend(Totals::local(worker.comm().stats()));
+    let t = stats.len();
+    stats.extend([losses.sum, losses.steps as f64]);
+    *losses = LossSum::default();
     // Rank 0's training clock rides along: every rank learns whether the budget is spent.
     stats.push(if rank == 0 { wall_s } else { 0.0 });
     let sums = sum_over_ranks(worker, &stats).await?;
+    let train_loss = (sums[t + 1] > 0.0).then(|| sums[t] / sums[t + 1]);
     let named = |xs: &[f64]| -> BTreeMap<String, f64> {
         s.w.metrics(xs)
             .into_iter()
@@ -764,7 +791,7 @@ async fn evaluate<W: Workload>(
             .collect()
     };
     let clock0 = sums.last().copied().unwrap_or(0.0);
-    let totals = Totals::read(&sums[m..]);
+    let totals = Totals::read(&sums[m..t]);
     let record = EvalRecord {
         iteration,
         wall_s,
@@ -775,6 +802,7 @@ async fn evaluate<W: Workload>(
         wait_fraction: totals.wait_fraction(wall_s),
         staleness: totals.staleness,
         ranks_alive: totals.alive,
+        train_loss,
     };
     Ok(Evaluation {
         record,

@@ -131,17 +131,16 @@ fn dropped_messages_end_in_named_timeouts_without_hanging() {
 
 #[test]
 fn corrupt_frames_on_tcp_end_in_an_error_naming_the_peer() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let rdv = format!("127.0.0.1:{port}");
     let cred = Credentials {
         job_id: "faults".into(),
         secret: b"s".to_vec(),
     };
-    let cfg0 = TcpConfig::new(0, 2, rdv.clone(), cred.clone());
+    // Rank 0 binds the rendezvous on port 0 and writes the address it got to a file; rank 1
+    // joins once it is there (no port is chosen, closed and bound again).
+    let dir = TempDir::new("faults-rendezvous");
+    let file = dir.path().join("rendezvous");
+    let mut cfg0 = TcpConfig::new(0, 2, "127.0.0.1:0", cred.clone());
+    cfg0.rendezvous_file = Some(file.clone());
     let rank0 = std::thread::spawn(move || -> Error {
         let (mut c, engine) = threaded::connect_tcp(&cfg0, engine(5000)).unwrap();
         let err = block_on(async {
@@ -154,6 +153,11 @@ fn corrupt_frames_on_tcp_end_in_an_error_naming_the_peer() {
         c.abort();
         let _ = engine.join();
         err
+    });
+    let rdv = await_rendezvous(&file, || {
+        rank0
+            .is_finished()
+            .then(|| "its thread ended (its start-up panicked: see above)".to_string())
     });
     // Rank 1 joins properly, then sends garbage instead of frames.
     let (tx, _rx) = crossbeam_channel::unbounded();

@@ -4,6 +4,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -103,29 +104,31 @@ fn worker(role: &str) -> Result<(), Error> {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Job {
     children: Vec<Child>,
     ready: mpsc::Receiver<usize>,
     rendezvous: String,
+    /// Holds the rendezvous file until the job ends.
+    _dir: TempDir,
 }
 
+/// Starts rank `rank` as a child process. Rank 0 gets `rdv_file`: it binds `rdv` (port 0)
+/// and writes the address it got there.
 fn spawn_one(
     rank: usize,
     p: usize,
     role: &str,
     rdv: &str,
+    rdv_file: Option<&Path>,
     timeout_s: u64,
     tx: mpsc::Sender<usize>,
 ) -> Child {
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    match rdv_file {
+        Some(file) => cmd.env(env::RENDEZVOUS_FILE, file),
+        None => cmd.env_remove(env::RENDEZVOUS_FILE),
+    };
+    let mut child = cmd
         .args(["--exact", "tcp_worker", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
         .env(TIMEOUT, timeout_s.to_string())
@@ -150,18 +153,46 @@ fn spawn_one(
 }
 
 impl Job {
+    /// Rank 0 binds its rendezvous on port 0 (the OS picks a free port, which nobody else
+    /// can take while it listens) and writes the address to a file in a fresh directory; the
+    /// other ranks start once it is there, with the real address.
     fn start(p: usize, role: &str, timeout_s: u64, before_others: impl FnOnce(&str)) -> Job {
-        let rendezvous = format!("127.0.0.1:{}", free_port());
+        let dir = TempDir::new("tcp-rendezvous");
+        let file = dir.path().join("rendezvous");
         let (tx, ready) = mpsc::channel();
-        let mut children = vec![spawn_one(0, p, role, &rendezvous, timeout_s, tx.clone())];
+        let mut rank0 = spawn_one(
+            0,
+            p,
+            role,
+            "127.0.0.1:0",
+            Some(&file),
+            timeout_s,
+            tx.clone(),
+        );
+        let rendezvous = await_rendezvous(&file, || {
+            let status = rank0.try_wait().unwrap()?;
+            let mut err = String::new();
+            rank0.stderr.take()?.read_to_string(&mut err).ok();
+            Some(format!("{status}: {err}"))
+        });
+        let mut children = vec![rank0];
         before_others(&rendezvous);
         for rank in 1..p {
-            children.push(spawn_one(rank, p, role, &rendezvous, timeout_s, tx.clone()));
+            children.push(spawn_one(
+                rank,
+                p,
+                role,
+                &rendezvous,
+                None,
+                timeout_s,
+                tx.clone(),
+            ));
         }
         Job {
             children,
             ready,
             rendezvous,
+            _dir: dir,
         }
     }
 
@@ -291,13 +322,12 @@ fn note(from: usize, seq: u64) -> wagma::transport::Envelope {
 fn a_restarted_rank_reconnects_to_every_living_peer() {
     use wagma::transport::tcp::{TcpTransport, connect};
     use wagma::transport::{Incoming, Transport};
-    let rdv = format!("127.0.0.1:{}", free_port());
     let cred = Credentials {
         job_id: "rejoin".into(),
         secret: b"rejoin-secret".to_vec(),
     };
-    let cfg = |rank: usize, rejoin: bool| {
-        let mut c = TcpConfig::new(rank, 3, rdv.clone(), cred.clone());
+    let config = |rank: usize, rdv: &str, rejoin: bool| {
+        let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
         c.connect_timeout = Duration::from_secs(20);
         c.accept_rejoins = true;
         c.rejoin = rejoin;
@@ -307,12 +337,29 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
         let (tx, rx) = crossbeam_channel::unbounded::<Incoming>();
         connect(&c, tx).map(|t| (t, rx))
     };
-    let starting: Vec<_> = (0..3)
-        .map(|r| {
-            let c = cfg(r, false);
-            std::thread::spawn(move || open(c))
+    // Rank 0 binds the rendezvous on port 0 and writes the address it got; ranks 1 and 2
+    // start once it is there.
+    let dir = TempDir::new("tcp-rejoin");
+    let file = dir.path().join("rendezvous");
+    let mut c0 = config(0, "127.0.0.1:0", false);
+    c0.rendezvous_file = Some(file.clone());
+    let mut rank0 = Some(std::thread::spawn(move || open(c0)));
+    let rdv = await_rendezvous(&file, || {
+        if !rank0.as_ref()?.is_finished() {
+            return None;
+        }
+        Some(match rank0.take()?.join() {
+            Ok(Ok(_)) => "it connected without its peers".to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "it panicked".to_string(),
         })
-        .collect();
+    });
+    let cfg = |rank: usize, rejoin: bool| config(rank, &rdv, rejoin);
+    let mut starting = vec![rank0.expect("rank 0 is still connecting")];
+    starting.extend((1..3).map(|r| {
+        let c = cfg(r, false);
+        std::thread::spawn(move || open(c))
+    }));
     let mut ranks: Vec<(TcpTransport, crossbeam_channel::Receiver<Incoming>)> = starting
         .into_iter()
         .map(|h| h.join().unwrap().expect("start-up"))

@@ -478,7 +478,8 @@ impl<'c> Worker<'c> {
     /// `params` in place, using `grad`: the averaged gradient for gradient-averaging algorithms
     /// (allreduce-SGD, eager-SGD), this rank's `grad` for model-averaging ones, which then
     /// average the model it produced (or, with `order = average-then-step`, average the model
-    /// before the step and add the step's change after).
+    /// before the step and add the step's change after). A model-averaging algorithm only
+    /// passes `grad` on to `update`: pass `&[]` when `update` has the gradient already.
     ///
     /// ```
     /// use wagma::algo::{AlgoConfig, Algorithm, Resume, Worker};
@@ -521,7 +522,9 @@ impl<'c> Worker<'c> {
         mut update: Update<'_>,
     ) -> Result<StepReport, Error> {
         let len = self.state.params.len();
-        if grad.len() != len {
+        // An external update of a model-averaging algorithm may keep its gradient to itself.
+        let passed_through = update.is_some() && self.cfg.algorithm.averages_models();
+        if grad.len() != len && !(passed_through && grad.len() == 0) {
             return Err(Error::Protocol {
                 rank: self.comm.rank(),
                 op: Op::Other("step"),

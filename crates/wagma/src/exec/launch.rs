@@ -245,7 +245,8 @@ impl fmt::Display for ModelLayout {
 impl Comm {
     /// Checks that every rank holds a model of `layout` (a collective of all ranks): on a
     /// mismatch every rank fails with [`Error::LayoutMismatch`] naming the lowest rank whose
-    /// layout differs from rank 0's, and both layouts.
+    /// layout differs from rank 0's, and both layouts (a rank whose peer fails first may
+    /// report that peer's loss instead; the job's first failure is the mismatch).
     pub async fn check_layout(&mut self, layout: &ModelLayout) -> Result<(), Error> {
         let (rank, p) = (self.rank(), self.size());
         let mut all = vec![0f32; p * PIECES];

@@ -1,7 +1,9 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use wagma::engine::{ContributionMode, ReadMode, RoundKind, Trigger};
 use wagma::exec::{JobResult, threaded, virtual_time};
@@ -128,4 +130,69 @@ where
 
 pub fn ms(x: u64) -> Duration {
     Duration::from_millis(x)
+}
+
+/// A fresh, empty directory under the system's temporary directory, removed with its contents
+/// when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// Creates it; `tag` only makes the name readable.
+    pub fn new(tag: &str) -> TempDir {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        loop {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            let name = format!(
+                "wagma-{tag}-{}-{}-{nanos}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            let path = std::env::temp_dir().join(name);
+            match std::fs::create_dir(&path) {
+                Ok(()) => return TempDir(path),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => panic!("creating {}: {e}", path.display()),
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The rendezvous address rank 0 bound on port 0, once it has written it to `file`
+/// ([`wagma::transport::tcp::read_rendezvous`]), polled every 5 ms. `rank0_ended` returns why
+/// rank 0 stopped (`None` while it runs): the wait then fails at once with that reason. The
+/// 120 s limit only catches a rank 0 that hangs before binding; a correct one writes the file
+/// within milliseconds of starting, even on a loaded machine far less than this.
+pub fn await_rendezvous(file: &Path, mut rank0_ended: impl FnMut() -> Option<String>) -> String {
+    let limit = Duration::from_secs(120);
+    let start = Instant::now();
+    loop {
+        if let Some(addr) = wagma::transport::tcp::read_rendezvous(file) {
+            return addr;
+        }
+        if let Some(why) = rank0_ended() {
+            // Rank 0 cannot finish before the others join: whatever it wrote, it failed.
+            panic!(
+                "rank 0 ended before writing its rendezvous address to {}: {why}",
+                file.display()
+            );
+        }
+        assert!(
+            start.elapsed() < limit,
+            "rank 0 wrote no rendezvous address to {} within {limit:?}",
+            file.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
