@@ -13,18 +13,32 @@ pub struct LocalJob {
     children: Vec<Child>,
 }
 
-/// How long rank 0 may take to bind its rendezvous and say where.
-const RENDEZVOUS_WAIT: Duration = Duration::from_secs(60);
+/// The descriptor under which rank 0 finds the rendezvous socket.
+const RENDEZVOUS_FD_NUMBER: i32 = 3;
 
-/// A fresh private directory under the system's temporary directory.
-fn tempdir() -> anyhow::Result<std::path::PathBuf> {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let dir = std::env::temp_dir().join(format!("wagma-launch-{}-{nanos:x}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    Ok(dir)
+/// Makes `socket` descriptor `fd` of the child that `cmd` starts (and only of that child).
+fn inherit_as(cmd: &mut Command, socket: &std::net::TcpListener, fd: i32) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let src = socket.as_raw_fd();
+    // SAFETY: between fork and exec the closure only calls dup2(2) or fcntl(2)
+    // (async-signal-safe) on
+    // descriptors that exist in the child; dup2 leaves the new descriptor open across exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let ok = if src == fd {
+                // dup2 onto itself keeps close-on-exec: clear it instead.
+                libc::fcntl(fd, libc::F_SETFD, 0) >= 0
+            } else {
+                libc::dup2(src, fd) >= 0
+            };
+            if ok {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
 }
 
 /// A random job id and secret for a job started by this process.
@@ -55,21 +69,26 @@ impl LocalJob {
         capture: bool,
     ) -> anyhow::Result<LocalJob> {
         let (job_id, secret) = fresh_credentials();
-        // Rank 0 binds port 0 itself and writes the port it got; the others start once it has
-        // (no port is chosen here and bound again later, which another process could take).
-        let dir = tempdir()?;
-        let file = dir.join("rendezvous");
-        let start = |rank: usize, rendezvous: &str, file: Option<&std::path::Path>| {
+        // The rendezvous port stays bound from here on: this process binds it and hands the
+        // listening socket to rank 0 (no port is chosen, closed and bound again later, which
+        // another process could take in between).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")
+            .context("binding the rendezvous on loopback")?;
+        let rendezvous = listener.local_addr()?.to_string();
+        let mut children = Vec::with_capacity(ranks);
+        for rank in 0..ranks {
             let mut cmd = Command::new(program);
             cmd.args(args)
                 .env(env::RANK, rank.to_string())
                 .env(env::WORLD_SIZE, ranks.to_string())
-                .env(env::RENDEZVOUS, rendezvous)
+                .env(env::RENDEZVOUS, &rendezvous)
                 .env(env::JOB_ID, &job_id)
                 .env(env::SECRET, &secret)
+                .env_remove(env::RENDEZVOUS_FD)
                 .stdin(Stdio::null());
-            if let Some(f) = file {
-                cmd.env(env::RENDEZVOUS_FILE, f);
+            if rank == 0 {
+                inherit_as(&mut cmd, &listener, RENDEZVOUS_FD_NUMBER);
+                cmd.env(env::RENDEZVOUS_FD, RENDEZVOUS_FD_NUMBER.to_string());
             }
             for (k, v) in extra {
                 cmd.env(k, v);
@@ -77,36 +96,14 @@ impl LocalJob {
             if capture {
                 cmd.stdout(Stdio::piped());
             }
-            cmd.spawn()
-                .with_context(|| format!("starting rank {rank}: {}", program.display()))
-        };
-        let mut children = Vec::with_capacity(ranks);
-        children.push(start(0, "127.0.0.1:0", Some(&file))?);
-        let waited = Instant::now();
-        let rendezvous = loop {
-            if let Some(a) = wagma::transport::tcp::read_rendezvous(&file) {
-                break a;
-            }
-            if let Some(s) = children[0].try_wait()? {
-                let _ = std::fs::remove_dir_all(&dir);
-                bail!("rank 0 exited ({s}) before opening its rendezvous");
-            }
-            if waited.elapsed() > RENDEZVOUS_WAIT {
-                let _ = children[0].kill();
-                let _ = std::fs::remove_dir_all(&dir);
-                bail!("rank 0 did not open its rendezvous within {RENDEZVOUS_WAIT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
-        let _ = std::fs::remove_dir_all(&dir);
-        for rank in 1..ranks {
-            match start(rank, &rendezvous, None) {
+            match cmd.spawn() {
                 Ok(c) => children.push(c),
                 Err(e) => {
                     for c in &mut children {
                         let _ = c.kill();
                     }
-                    return Err(e);
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("starting rank {rank}: {}", program.display())));
                 }
             }
         }

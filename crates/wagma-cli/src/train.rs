@@ -99,7 +99,7 @@ pub struct Args {
     #[arg(long)]
     pub optimizer: Option<String>,
     /// Peak learning rate (keeps the workload's schedule shape).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f32>,
     /// Learning-rate schedule: constant, cosine or step (x0.1 at half and three quarters of
     /// the steps), after the warm-up.
@@ -109,22 +109,22 @@ pub struct Args {
     #[arg(long)]
     pub warmup: Option<u64>,
     /// Momentum (sgd).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub momentum: Option<f32>,
     /// Adam's beta1 (0 < b < 1).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub beta1: Option<f32>,
     /// Adam's beta2 (0 < b < 1).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub beta2: Option<f32>,
     /// Adam's epsilon (> 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub eps: Option<f32>,
     /// Clip the gradient to this global L2 norm, or "never".
     #[arg(long)]
     pub clip_norm: Option<String>,
     /// Weight decay.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f32>,
     /// Injected imbalance: none, paper-resnet, lengths, heavy-tail.
     #[arg(long)]

@@ -157,6 +157,43 @@ fn launch_runs_training_over_tcp() {
 }
 
 #[test]
+fn train_under_a_launcher_joins_its_job_without_transport_flag() {
+    // No --transport: every process must be one rank of the launcher's 3-rank job, not a
+    // job of its own; bare boolean flags and Adam on the way.
+    let dir = tmp("launch-implicit");
+    let out = wagma()
+        .args(["launch", "-n", "3", "--timeout", "120", "--"])
+        .args(["wagma", "train", "--dataset", "builtin", "--quiet", "--optimizer", "adam"])
+        .args(["--steps", "6", "--eval-every", "3", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    ok(&out);
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["ranks"], 3);
+    assert_eq!(s["execution"], "tcp");
+    assert_eq!(s["optimizer"]["kind"], "adam");
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    for l in metrics.lines() {
+        let r: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(r["train_loss"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+    }
+    // In-process execution under a launcher would start one job per process: refused.
+    let out = wagma()
+        .args(["launch", "-n", "2", "--timeout", "120", "--"])
+        .args(["wagma", "train", "--dataset", "builtin", "--quiet", "--deterministic"])
+        .args(["--steps", "2", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("every process would train a job of its own"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn launch_names_the_rank_that_failed() {
     let out = wagma()
         .args([
@@ -219,6 +256,16 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
         (vec!["--resume", &corrupt_s], "unreadable"),
         (vec!["--resume", "/nonexistent/ckpt"], "no checkpoint"),
         (vec!["--imbalance", "bursty"], "imbalance profile"),
+        (vec!["--optimizer", "adamax"], "optimizer"),
+        (vec!["--optimizer", "adam", "--beta1", "0"], "beta1"),
+        (vec!["--optimizer", "adam", "--beta2", "-0.5"], "beta2"),
+        (vec!["--optimizer", "adamw", "--eps", "0"], "eps"),
+        (vec!["--lr", "0"], "learning-rate"),
+        (vec!["--lr", "-0.1"], "learning-rate"),
+        (vec!["--schedule", "exponential"], "schedule"),
+        (vec!["--device", "tpu"], "unknown device"),
+        (vec!["--device", "cuda"], "--features cuda"),
+        (vec!["--device", "wgpu"], "--features wgpu"),
     ];
     for (mut args, needle) in cases {
         if !args.contains(&"--data") {

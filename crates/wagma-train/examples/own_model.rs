@@ -1,17 +1,23 @@
-//! Bring your own burn model: a two-layer perceptron learns a synthetic two-class problem
-//! with WAGMA-SGD on four in-process ranks. The loop is the whole integration: copy the
-//! worker's parameters into the model, compute a gradient, hand it to the worker.
+//! Bring your own burn model and optimizer: a two-layer perceptron learns a synthetic
+//! two-class problem with WAGMA-SGD and burn's Adam. The integration is three lines: one
+//! start-up call for every launcher, the wrapper around the optimizer (it also gives every rank
+//! rank 0's initial model), and `opt.step` where burn's `optim.step` was.
 //!
-//! `cargo run --release -p wagma-train --example own_model`
+//! The same binary runs
+//! * on 4 threads: `cargo run --release -p wagma-train --example own_model`;
+//! * one rank per process over TCP: `wagma launch -n 4 -- target/release/examples/own_model`;
+//! * under MPI (build with `--features mpi`): `mpirun -n 4 target/release/examples/own_model`.
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLoss;
 use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
-use wagma::algo::{AlgoConfig, Algorithm, OptimizerConfig, Worker};
-use wagma::exec::threaded;
-use wagma::{Comm, EngineConfig, Error, Payload};
-use wagma_train::flat::{FlatModel, train_device};
+use wagma::algo::{AlgoConfig, Algorithm};
+use wagma::exec::launch::{Launch, launch};
+use wagma::{Comm, EngineConfig, Error};
+use wagma_train::DistributedOptimizer;
+use wagma_train::flat::{eval_device, train_device};
 
 #[derive(Module, Debug)]
 struct Mlp {
@@ -55,57 +61,46 @@ fn batch(seed: u64, n: usize) -> (Vec<f32>, Vec<i64>) {
     (x, y)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let device = train_device();
-    device.seed(7);
-    // Every rank starts from the same initial model.
-    let init = FlatModel::new(Mlp::new(&device)).params();
-    let algo = AlgoConfig::new(Algorithm::from_name("wagma")?);
+fn accuracy(model: &Mlp) -> f64 {
+    let (x, y) = batch(99_999, 1000);
+    let x = Tensor::<2>::from_data(TensorData::new(x, [1000, 2]), &eval_device());
+    let pred: Vec<i64> = model
+        .valid()
+        .forward(x)
+        .argmax(1)
+        .into_data()
+        .convert::<i64>()
+        .iter::<i64>()
+        .collect();
+    pred.iter().zip(&y).filter(|(a, b)| a == b).count() as f64 / 1000.0
+}
 
-    let accuracy = threaded::run(4, EngineConfig::default(), async |c: &mut Comm| {
-        let rank = c.rank() as u64;
-        let mut model = FlatModel::new(Mlp::new(&train_device()));
-        let mut w = Worker::new(
-            c,
-            algo.clone(),
-            OptimizerConfig::sgd(0.2),
-            Payload::Data(init.clone()),
-            Payload::default(),
-        )
-        .await?;
-        for t in 0..400u64 {
-            model.set_params(w.params());
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // 4 in-process ranks, unless a launcher started this process as one rank of its job.
+    let how = Launch::from_env(4)?;
+    let algo = AlgoConfig::new(Algorithm::from_name("wagma")?);
+    let job = launch(how, EngineConfig::default(), async |comm: &mut Comm| {
+        let rank = comm.rank() as u64;
+        let device = train_device();
+        let model = Mlp::new(&device);
+        let (mut opt, mut model) =
+            DistributedOptimizer::new(comm, algo.clone(), AdamConfig::new().init(), model).await?;
+        for t in 0..300u64 {
             let (x, y) = batch(rank * 1_000_003 + t, 64);
-            let dev = train_device();
-            let x = Tensor::<2>::from_data(TensorData::new(x, [64, 2]), &dev);
-            let y = Tensor::<1, Int>::from_data(TensorData::new(y, [64]), &dev);
-            let loss = CrossEntropyLoss::new(None, &dev).forward(model.model().forward(x), y);
-            let grad = model.backward(loss);
-            w.step(&grad).await?;
+            let x = Tensor::<2>::from_data(TensorData::new(x, [64, 2]), &device);
+            let y = Tensor::<1, Int>::from_data(TensorData::new(y, [64]), &device);
+            let loss = CrossEntropyLoss::new(None, &device).forward(model.forward(x), y);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = opt.step(5e-3, model, grads).await?;
         }
         // Evaluate the consensus (the global average of the replicas).
-        let (params, _) = w.consensus().await?;
-        model.set_params(params.as_slice());
-        let (x, y) = batch(99_999, 1000);
-        let x = Tensor::<2>::from_data(
-            TensorData::new(x, [1000, 2]),
-            &wagma_train::flat::eval_device(),
-        );
-        let pred: Vec<i64> = model
-            .eval_model()
-            .forward(x)
-            .argmax(1)
-            .into_data()
-            .convert::<i64>()
-            .iter::<i64>()
-            .collect();
-        let correct = pred.iter().zip(&y).filter(|(a, b)| a == b).count();
-        Ok::<_, Error>(correct as f64 / 1000.0)
-    })?
-    .into_all()?;
-    println!(
-        "accuracy of the consensus model on held-out points: {:.3}",
-        accuracy[0]
-    );
+        let consensus = opt.consensus(model).await?;
+        Ok::<_, Error>((opt.worker().comm().rank(), accuracy(&consensus)))
+    })?;
+    for (rank, acc) in job.into_all()? {
+        if rank == 0 {
+            println!("accuracy of the consensus model on held-out points: {acc:.3}");
+        }
+    }
     Ok(())
 }

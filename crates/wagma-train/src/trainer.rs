@@ -441,7 +441,7 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
     let mut fm = FlatModel::new(w.build(&device));
     let mut local = w.local(rank, p, cfg.seed);
     let mut alive = p;
-    let (params, buffers, resume, mut samples, train_s) = match &s.resume {
+    let (mut params, mut buffers, resume, mut samples, train_s) = match &s.resume {
         None if cfg.rejoin => {
             let start = rejoin(comm, s.init, cfg.timeout).await?;
             alive = start.alive;
@@ -478,6 +478,17 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             0.0,
         ),
     };
+    let layout = s.init.layout.fingerprint();
+    // (A joiner gets the consensus state in its welcome: the others are already training.)
+    if !cfg.rejoin {
+        if s.resume.is_some() {
+            // Every rank resumes its own replica: they must at least agree on the model.
+            comm.check_layout(&layout).await?;
+        } else {
+            // Every rank starts from rank 0's model, whatever it built itself.
+            comm.share_model(&layout, &mut params, &mut buffers).await?;
+        }
+    }
     let has_buffers = !buffers.is_empty();
     let opt = cfg.optimizer_or_default();
     let start_iter = resume.iteration;

@@ -53,6 +53,9 @@ pub struct TcpConfig {
     /// Rank 0 writes the address its rendezvous listener bound to this file, so that a
     /// rendezvous on port 0 (the OS picks a free one) can be handed to the other ranks.
     pub rendezvous_file: Option<std::path::PathBuf>,
+    /// Rank 0 serves the rendezvous on this inherited listening socket instead of binding
+    /// one (`wagma launch` binds it, so the port is never free for another process to take).
+    pub rendezvous_fd: Option<i32>,
 }
 
 /// Environment variables read by [`TcpConfig::from_env`].
@@ -72,6 +75,9 @@ pub mod env {
     /// File where rank 0 writes the rendezvous address it bound (optional; see
     /// [`super::TcpConfig::rendezvous_file`]).
     pub const RENDEZVOUS_FILE: &str = "WAGMA_RENDEZVOUS_FILE";
+    /// An inherited listening socket for rank 0's rendezvous (optional; see
+    /// [`super::TcpConfig::rendezvous_fd`]).
+    pub const RENDEZVOUS_FD: &str = "WAGMA_RENDEZVOUS_FD";
 }
 
 impl TcpConfig {
@@ -94,6 +100,7 @@ impl TcpConfig {
             rejoin: false,
             accept_rejoins: false,
             rendezvous_file: None,
+            rendezvous_fd: None,
         }
     }
 
@@ -126,6 +133,12 @@ impl TcpConfig {
             })?);
         }
         cfg.rendezvous_file = get(env::RENDEZVOUS_FILE).map(Into::into);
+        if let Some(fd) = get(env::RENDEZVOUS_FD) {
+            cfg.rendezvous_fd = Some(fd.trim().parse().map_err(|_| ConfigError::Invalid {
+                what: env::RENDEZVOUS_FD,
+                detail: format!("{fd:?} is not a file descriptor"),
+            })?);
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -298,6 +311,33 @@ fn accept_peers(
     Ok(got)
 }
 
+/// The listening socket a launcher handed this process as descriptor `fd` (taken once).
+#[cfg(unix)]
+fn inherited_listener(fd: i32) -> Result<TcpListener, TransportError> {
+    use std::os::fd::FromRawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    if fd < 0 || TAKEN.swap(true, Ordering::SeqCst) {
+        return Err(TransportError::Rendezvous(format!(
+            "the inherited rendezvous socket (descriptor {fd}) is invalid or already in use"
+        )));
+    }
+    // SAFETY: the launcher passed this descriptor for exactly this use; the flag above makes
+    // this the only owner in the process, so it is closed once.
+    let l = unsafe { TcpListener::from_raw_fd(fd) };
+    l.local_addr().map_err(|e| {
+        TransportError::io(format!("descriptor {fd} is not a listening socket"), &e)
+    })?;
+    Ok(l)
+}
+
+#[cfg(not(unix))]
+fn inherited_listener(fd: i32) -> Result<TcpListener, TransportError> {
+    Err(TransportError::Rendezvous(format!(
+        "inherited rendezvous sockets (descriptor {fd}) need a Unix system"
+    )))
+}
+
 /// Writes `addr` to `path` atomically (a complete file or none).
 fn publish_rendezvous(path: &std::path::Path, addr: SocketAddr) -> std::io::Result<()> {
     let tmp = path.with_extension("partial");
@@ -322,8 +362,11 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
     let p = cfg.world;
     let rdv = resolve(&cfg.rendezvous)?;
     let rdv_listener = if me == 0 {
-        let l = TcpListener::bind(rdv)
-            .map_err(|e| TransportError::io(format!("binding the rendezvous {rdv}"), &e))?;
+        let l = match cfg.rendezvous_fd {
+            Some(fd) => inherited_listener(fd)?,
+            None => TcpListener::bind(rdv)
+                .map_err(|e| TransportError::io(format!("binding the rendezvous {rdv}"), &e))?,
+        };
         if let Some(path) = &cfg.rendezvous_file {
             let bound = l
                 .local_addr()
