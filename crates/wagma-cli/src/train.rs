@@ -228,12 +228,10 @@ fn execution(a: &Args) -> anyhow::Result<Execution> {
     let launcher = wagma::transport::discover::discover_env()?;
     let deterministic = a.deterministic.unwrap_or(false);
     Ok(match (a.transport.as_deref(), deterministic, &launcher) {
-        (None, false, Some(_)) => {
-            match TransportChoice::from_lookup(&|k| std::env::var(k).ok())? {
-                TransportChoice::Mpi => Execution::Mpi,
-                _ => Execution::Tcp,
-            }
-        }
+        (None, false, Some(_)) => match TransportChoice::from_lookup(&|k| std::env::var(k).ok())? {
+            TransportChoice::Mpi => Execution::Mpi,
+            _ => Execution::Tcp,
+        },
         (None | Some("mem"), _, Some(d)) => bail!(
             "started by a launcher ({} says rank {} of {}), but {} runs every rank in this \
              process: every process would train a job of its own. Use --transport tcp or mpi \
@@ -241,7 +239,11 @@ fn execution(a: &Args) -> anyhow::Result<Execution> {
             d.source,
             d.rank,
             d.world,
-            if deterministic { "--deterministic" } else { "--transport mem" }
+            if deterministic {
+                "--deterministic"
+            } else {
+                "--transport mem"
+            }
         ),
         (None | Some("mem"), false, None) => Execution::Threads,
         (None | Some("mem"), true, None) => Execution::Deterministic,
@@ -344,7 +346,9 @@ fn set_peak(s: &mut LrSchedule, lr: f32) {
 
 fn peak(s: &LrSchedule) -> f32 {
     match s {
-        LrSchedule::Constant { lr } | LrSchedule::WarmupStep { lr, .. } | LrSchedule::Cosine { lr, .. } => *lr,
+        LrSchedule::Constant { lr }
+        | LrSchedule::WarmupStep { lr, .. }
+        | LrSchedule::Cosine { lr, .. } => *lr,
     }
 }
 

@@ -163,7 +163,15 @@ fn train_under_a_launcher_joins_its_job_without_transport_flag() {
     let dir = tmp("launch-implicit");
     let out = wagma()
         .args(["launch", "-n", "3", "--timeout", "120", "--"])
-        .args(["wagma", "train", "--dataset", "builtin", "--quiet", "--optimizer", "adam"])
+        .args([
+            "wagma",
+            "train",
+            "--dataset",
+            "builtin",
+            "--quiet",
+            "--optimizer",
+            "adam",
+        ])
         .args(["--steps", "6", "--eval-every", "3", "--out"])
         .arg(&dir)
         .output()
@@ -182,14 +190,24 @@ fn train_under_a_launcher_joins_its_job_without_transport_flag() {
     // In-process execution under a launcher would start one job per process: refused.
     let out = wagma()
         .args(["launch", "-n", "2", "--timeout", "120", "--"])
-        .args(["wagma", "train", "--dataset", "builtin", "--quiet", "--deterministic"])
+        .args([
+            "wagma",
+            "train",
+            "--dataset",
+            "builtin",
+            "--quiet",
+            "--deterministic",
+        ])
         .args(["--steps", "2", "--out"])
         .arg(&dir)
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("every process would train a job of its own"), "{err}");
+    assert!(
+        err.contains("every process would train a job of its own"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -103,7 +103,10 @@ mod tests {
     #[test]
     fn names_parse_and_gpus_need_their_feature() {
         assert_eq!("flex".parse::<DeviceChoice>().unwrap(), DeviceChoice::Flex);
-        assert_eq!("cuda:1".parse::<DeviceChoice>().unwrap(), DeviceChoice::Cuda(1));
+        assert_eq!(
+            "cuda:1".parse::<DeviceChoice>().unwrap(),
+            DeviceChoice::Cuda(1)
+        );
         assert!("tpu".parse::<DeviceChoice>().is_err());
         assert!("cuda:x".parse::<DeviceChoice>().is_err());
         if !cfg!(feature = "cuda") {

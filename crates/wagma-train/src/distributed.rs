@@ -160,6 +160,8 @@ impl<'c> DistributedOptimizer<'c> {
     /// `model`, without changing the replicas: every rank calls it at the same iteration.
     pub async fn consensus<M: Module>(&mut self, model: M) -> Result<M, Error> {
         let (params, buffers) = self.worker.consensus().await?;
+        // Pending statistics would overwrite the consensus buffers at their next sync.
+        let _ = model.valid();
         let m = write_values(model, false, params.as_slice());
         Ok(if self.has_buffers {
             write_values(m, true, buffers.as_slice())

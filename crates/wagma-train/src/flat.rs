@@ -132,7 +132,10 @@ impl ModuleVisitor for SliceReader<'_> {
         };
         match data.as_slice::<f32>() {
             Ok(v) if v.len() == n => dst.copy_from_slice(v),
-            _ => dst.iter_mut().zip(data.iter::<f32>()).for_each(|(d, x)| *d = x),
+            _ => dst
+                .iter_mut()
+                .zip(data.iter::<f32>())
+                .for_each(|(d, x)| *d = x),
         }
         self.at += n;
     }
@@ -153,11 +156,10 @@ pub fn read_into<M: Module>(m: &M, buffers: bool, out: &mut [f32]) {
     });
 }
 
-/// `m` with its trainable parameters (`buffers`: its buffers) replaced by `values`.
+/// `m` with its trainable parameters (`buffers`: its buffers) replaced by `values`. Buffers
+/// with per-thread statistics pending since the last [`read_into`] would overwrite the new
+/// values at their next synchronisation: read (or flush with `valid`) first.
 pub fn write_values<M: Module>(m: M, buffers: bool, values: &[f32]) -> M {
-    if buffers {
-        let _ = m.valid();
-    }
     m.map(&mut Writer {
         path: Path::default(),
         buffers,
@@ -306,13 +308,7 @@ impl<M: Module> FlatModel<M> {
     }
 
     fn write(&mut self, values: &[f32], buffers: bool) {
-        let mut w = Writer {
-            path: Path::default(),
-            buffers,
-            data: values,
-            at: 0,
-        };
-        self.model = self.model.clone().map(&mut w);
+        self.model = write_values(self.model.clone(), buffers, values);
     }
 
     /// Backpropagates `loss` and returns the flat gradient of the trainable parameters.

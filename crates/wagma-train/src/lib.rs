@@ -19,8 +19,8 @@ pub mod trainer;
 pub mod workloads;
 
 pub use config::{Execution, TrainConfig, WorkloadKind};
-pub use error::TrainError;
 pub use device::DeviceChoice;
 pub use distributed::DistributedOptimizer;
+pub use error::TrainError;
 pub use flat::FlatModel;
 pub use trainer::{EvalRecord, Observer, Summary};

@@ -126,7 +126,11 @@ fn with_burns_adam_wagma_with_tau_one_is_local_sgd_with_period_one() {
     let b = train(4, &AlgoConfig::new(Algorithm::LocalSgd { period: 1 }), 12);
     for r in 0..4 {
         assert_eq!(bits(&a[r]), bits(&b[r]), "rank {r}");
-        assert_eq!(bits(&a[r]), bits(&a[0]), "replicas agree after a global average");
+        assert_eq!(
+            bits(&a[r]),
+            bits(&a[0]),
+            "replicas agree after a global average"
+        );
     }
 }
 
@@ -279,7 +283,13 @@ fn every_rank_starts_from_rank_zeros_model_and_a_mismatched_layout_is_named() {
                 peer_layout,
             }) => {
                 assert_eq!(*rank, r);
-                let pair = if r == 2 { (2, 0) } else if r == 0 { (0, 2) } else { (1, 2) };
+                let pair = if r == 2 {
+                    (2, 0)
+                } else if r == 0 {
+                    (0, 2)
+                } else {
+                    (1, 2)
+                };
                 assert_eq!((*rank, *peer), pair);
                 assert_ne!(layout, peer_layout);
                 let msg = res.as_ref().unwrap_err().to_string();
@@ -307,7 +317,11 @@ fn tcp_rank() {
     assert_eq!(how.choice(), wagma::exec::launch::TransportChoice::Tcp);
     let r = wagma::exec::launch::launch(how, EngineConfig::default(), async |c: &mut Comm| {
         let rank = c.rank();
-        let hidden = if role == "mismatch" && rank == 2 { 9 } else { 8 };
+        let hidden = if role == "mismatch" && rank == 2 {
+            9
+        } else {
+            8
+        };
         let model = Mlp::seeded(hidden, 7 + rank as u64);
         let algo = wagma(Some(2), true, None);
         let (mut opt, mut model) = DistributedOptimizer::new(c, algo, adam(), model).await?;
@@ -337,10 +351,7 @@ fn tcp_rank() {
 /// Runs 3 processes of this test binary as a TCP job; returns each one's exit code and stdout.
 fn tcp_job(role: &str) -> Vec<(Option<i32>, String)> {
     use std::process::{Command, Stdio};
-    let dir = std::env::temp_dir().join(format!(
-        "wagma-distributed-{role}-{}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("wagma-distributed-{role}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("rendezvous");
     let _ = std::fs::remove_file(&file);
@@ -366,7 +377,10 @@ fn tcp_job(role: &str) -> Vec<(Option<i32>, String)> {
         if let Some(a) = wagma::transport::tcp::read_rendezvous(&file) {
             break a;
         }
-        assert!(children[0].try_wait().unwrap().is_none(), "rank 0 exited early");
+        assert!(
+            children[0].try_wait().unwrap().is_none(),
+            "rank 0 exited early"
+        );
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
     children.extend((1..3).map(|r| spawn(r, &rdv, None)));
@@ -374,7 +388,10 @@ fn tcp_job(role: &str) -> Vec<(Option<i32>, String)> {
         .into_iter()
         .map(|c| {
             let o = c.wait_with_output().unwrap();
-            (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned())
+            (
+                o.status.code(),
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+            )
         })
         .collect();
     let _ = std::fs::remove_dir_all(&dir);

@@ -3,6 +3,7 @@
 mod collectives;
 mod imbalance;
 mod paper;
+mod wrapper;
 
 use std::io::{BufRead, BufReader};
 
@@ -58,6 +59,9 @@ pub enum Bench {
     /// The paper's comparison at small scale: every algorithm (and optionally WAGMA's
     /// ablations) trains a workload; time to a target metric, curves, plots and a report.
     Paper(Box<paper::Args>),
+    /// The per-step cost of training a burn model through `DistributedOptimizer` against the
+    /// same model and optimizer in a plain burn loop, at P = 1.
+    Wrapper(wrapper::Args),
 }
 
 /// Runs a benchmark.
@@ -66,6 +70,7 @@ pub fn run(b: Bench) -> anyhow::Result<()> {
         Bench::Collectives(a) => collectives::run(a),
         Bench::Imbalance(a) => imbalance::run(a),
         Bench::Paper(a) => paper::run(*a),
+        Bench::Wrapper(a) => wrapper::run(a),
     }
 }
 

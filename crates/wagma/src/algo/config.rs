@@ -165,10 +165,17 @@ impl Algorithm {
             Algorithm::DPsgd => "d-psgd".into(),
             Algorithm::AdPsgd => "ad-psgd".into(),
             Algorithm::Sgp { peers } => format!("sgp {peers}n"),
-            Algorithm::EagerSgd { mode, .. } => match mode {
-                EagerMode::Solo => "eager-sgd solo".into(),
-                EagerMode::Majority => "eager-sgd majority".into(),
-            },
+            Algorithm::EagerSgd { mode, sync_period } => {
+                let mode = match mode {
+                    EagerMode::Solo => "solo",
+                    EagerMode::Majority => "majority",
+                };
+                // The periodic blocking round changes what the method waits for: say it.
+                match sync_period {
+                    Some(k) => format!("eager-sgd {mode} sync={k}"),
+                    None => format!("eager-sgd {mode} sync=never"),
+                }
+            }
         }
     }
 

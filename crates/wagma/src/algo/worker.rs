@@ -463,7 +463,9 @@ impl<'c> Worker<'c> {
     /// [`Worker::params`]) and the algorithm's communication.
     pub async fn step(&mut self, grad: &[f32]) -> Result<StepReport, Error> {
         if self.state.is_virtual() {
-            return self.run_step(Grad::Owned(Payload::Size(grad.len())), None).await;
+            return self
+                .run_step(Grad::Owned(Payload::Size(grad.len())), None)
+                .await;
         }
         self.run_step(Grad::Borrowed(grad), None).await
     }
@@ -535,8 +537,7 @@ impl<'c> Worker<'c> {
             return Err(Error::Protocol {
                 rank: self.comm.rank(),
                 op: Op::Other("step"),
-                detail: "this worker's update is computed outside wagma: call step_external"
-                    .into(),
+                detail: "this worker's update is computed outside wagma: call step_external".into(),
             });
         }
         let t = self.t;

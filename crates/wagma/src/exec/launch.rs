@@ -348,13 +348,26 @@ mod tests {
 
     #[test]
     fn layouts_round_trip_through_their_pieces_and_tell_models_apart() {
-        let a = ModelLayout::of([("fc.weight", &[10, 784][..], false), ("bn.running_mean", &[10][..], true)]);
+        let a = ModelLayout::of([
+            ("fc.weight", &[10, 784][..], false),
+            ("bn.running_mean", &[10][..], true),
+        ]);
         assert_eq!((a.params, a.buffers), (7840, 10));
         assert_eq!(ModelLayout::from_pieces(&a.pieces()), a);
-        let transposed = ModelLayout::of([("fc.weight", &[784, 10][..], false), ("bn.running_mean", &[10][..], true)]);
-        assert_eq!((transposed.params, transposed.buffers), (a.params, a.buffers));
+        let transposed = ModelLayout::of([
+            ("fc.weight", &[784, 10][..], false),
+            ("bn.running_mean", &[10][..], true),
+        ]);
+        assert_eq!(
+            (transposed.params, transposed.buffers),
+            (a.params, a.buffers)
+        );
         assert_ne!(transposed.hash, a.hash);
-        let big = ModelLayout { params: 25_600_000, buffers: 1 << 40, hash: u64::MAX };
+        let big = ModelLayout {
+            params: 25_600_000,
+            buffers: 1 << 40,
+            hash: u64::MAX,
+        };
         assert_eq!(ModelLayout::from_pieces(&big.pieces()), big);
     }
 }

@@ -77,7 +77,10 @@ mod tests {
         let mut adam = Adam::new(OptimizerConfig::adam(0.1), 2).unwrap();
         let mut w = vec![1.0f32, -2.0];
         adam.step(0, &mut w, &[0.5, 0.5]);
-        assert!((w[0] - 0.9).abs() < 1e-6 && (w[1] + 2.1).abs() < 1e-6, "{w:?}");
+        assert!(
+            (w[0] - 0.9).abs() < 1e-6 && (w[1] + 2.1).abs() < 1e-6,
+            "{w:?}"
+        );
         // Step 2 with g2 = [-1, 2]: m = [0.9*0.05 - 0.1, 0.9*0.05 + 0.2] = [-0.055, 0.245];
         // v = [0.999*0.00025 + 0.001, 0.999*0.00025 + 0.004] = [0.00124975, 0.00424975];
         // mhat = m / 0.19, vhat = v / 0.001999; w -= 0.1 * mhat / sqrt(vhat).
@@ -85,7 +88,10 @@ mod tests {
         let upd = |m: f64, v: f64| 0.1 * (m / 0.19) / (v / 0.001999).sqrt();
         let want = [0.9 - upd(-0.055, 0.00124975), -2.1 - upd(0.245, 0.00424975)];
         for i in 0..2 {
-            assert!((f64::from(w[i]) - want[i]).abs() < 1e-5, "{w:?} vs {want:?}");
+            assert!(
+                (f64::from(w[i]) - want[i]).abs() < 1e-5,
+                "{w:?} vs {want:?}"
+            );
         }
         // AdamW: decoupled decay shrinks W before the step, W = W*(1 - lr*wd) - lr*sign(g).
         let cfg = OptimizerConfig {

@@ -122,7 +122,10 @@ impl std::str::FromStr for OptimizerKind {
             "adamw" => Ok(OptimizerKind::AdamW),
             _ => Err(ConfigError::Invalid {
                 what: "optimizer",
-                detail: format!("{s:?} (expected one of {})", OptimizerKind::NAMES.join(", ")),
+                detail: format!(
+                    "{s:?} (expected one of {})",
+                    OptimizerKind::NAMES.join(", ")
+                ),
             }),
         }
     }
@@ -371,7 +374,10 @@ mod tests {
         }
         assert!(matches!(
             "adamax".parse::<OptimizerKind>(),
-            Err(ConfigError::Invalid { what: "optimizer", .. })
+            Err(ConfigError::Invalid {
+                what: "optimizer",
+                ..
+            })
         ));
         for n in OptimizerKind::NAMES {
             assert_eq!(n.parse::<OptimizerKind>().unwrap().to_string(), n);
