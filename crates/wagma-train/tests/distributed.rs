@@ -312,9 +312,9 @@ fn tcp_rank() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    // The one start-up call: the launcher's environment says TCP, rank and rendezvous.
+    // The one start-up call: the launcher's environment says which transport, rank and peers.
     let how = wagma::exec::launch::Launch::from_env(1).unwrap();
-    assert_eq!(how.choice(), wagma::exec::launch::TransportChoice::Tcp);
+    assert_ne!(how.choice(), wagma::exec::launch::TransportChoice::Threads);
     let r = wagma::exec::launch::launch(how, EngineConfig::default(), async |c: &mut Comm| {
         let rank = c.rank();
         let hidden = if role == "mismatch" && rank == 2 {
@@ -331,14 +331,14 @@ fn tcp_rank() {
             let g = grads(&model, x, y, BATCH);
             model = opt.step(LR, model, g).await?;
         }
-        Ok((start, params(&model)))
+        Ok((rank, start, params(&model)))
     })
     .and_then(|j| j.into_all());
     match r {
         Ok(v) => {
-            let (start, end) = &v[0];
-            println!("START {:?}", bits(start));
-            println!("END {:?}", bits(end));
+            let (rank, start, end) = &v[0];
+            println!("RANK {rank} START {:?}", bits(start));
+            println!("RANK {rank} END {:?}", bits(end));
             std::process::exit(0);
         }
         Err(e) => {
@@ -416,6 +416,7 @@ fn tcp_processes_start_from_rank_zeros_model_and_refuse_a_mismatched_layout() {
     for key in ["START ", "END "] {
         let first = line(&ok[0].1, key);
         for (r, (_, out)) in ok.iter().enumerate() {
+            assert!(out.contains(&format!("RANK {r} {key}")), "rank {r}: {out}");
             assert_eq!(line(out, key), first, "rank {r}: {key}");
         }
     }
@@ -435,4 +436,42 @@ fn tcp_processes_start_from_rank_zeros_model_and_refuse_a_mismatched_layout() {
         }
     }
     assert!(named >= 1, "{bad:?}");
+}
+
+/// The same job under mpirun (a build with the `mpi` feature; skipped without mpirun).
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_processes_start_from_rank_zeros_model_and_refuse_a_mismatched_layout() {
+    use std::process::Command;
+    let run = |role: &str| {
+        Command::new("mpirun")
+            .args(["-n", "3", "--oversubscribe"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "tcp_rank", "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env("RAYON_NUM_THREADS", "1")
+            .output()
+    };
+    let ok = match run("same") {
+        Ok(o) => o,
+        Err(e) => {
+            println!("no mpirun on this machine ({e}); nothing to check");
+            return;
+        }
+    };
+    let out = String::from_utf8_lossy(&ok.stdout).into_owned();
+    assert!(ok.status.success(), "{out}");
+    for key in ["START ", "END "] {
+        let values: Vec<&str> = (0..3)
+            .map(|r| line(&out, &format!("RANK {r} {key}")))
+            .collect();
+        assert!(values.iter().all(|v| *v == values[0]), "{key}: {out}");
+    }
+    let bad = run("mismatch").unwrap();
+    let out = String::from_utf8_lossy(&bad.stdout).into_owned();
+    assert!(!bad.status.success(), "{out}");
+    assert!(
+        out.lines().any(|l| l.contains("ERROR") && l.contains("layout differs")),
+        "{out}"
+    );
 }
