@@ -471,7 +471,8 @@ fn mpi_processes_start_from_rank_zeros_model_and_refuse_a_mismatched_layout() {
     let out = String::from_utf8_lossy(&bad.stdout).into_owned();
     assert!(!bad.status.success(), "{out}");
     assert!(
-        out.lines().any(|l| l.contains("ERROR") && l.contains("layout differs")),
+        out.lines()
+            .any(|l| l.contains("ERROR") && l.contains("layout differs")),
         "{out}"
     );
 }

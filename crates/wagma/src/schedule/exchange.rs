@@ -3,7 +3,7 @@
 
 use super::{Combine, Cost, Phase, Schedule, Transfer};
 use crate::Rank;
-use crate::topology::tree_children;
+use crate::topology::activation_edges;
 
 /// One phase that sends the whole buffer to every rank of `send_to` and sums what arrives from
 /// every rank of `recv_from` (in rank order, with the local buffer). With `send_to == recv_from`
@@ -63,11 +63,12 @@ pub fn pair_request(passive: Rank, len: usize) -> Schedule {
     }
 }
 
-/// Messages `rank` sends to forward one activation rooted at `root` (received on dimension
-/// `received_on`, or `None` at the root). Activation messages carry no payload.
-pub fn activation_cost(root: Rank, rank: Rank, ranks: usize, received_on: Option<u32>) -> Cost {
+/// Messages `rank` sends to forward a round's activation received on dimension `received_on`
+/// (`None`: it activates the round), along [`activation_edges`]; a rank sends each edge at most
+/// once per round, whoever activated it. Activation messages carry no payload.
+pub fn activation_cost(rank: Rank, ranks: usize, received_on: Option<u32>) -> Cost {
     Cost {
-        messages: tree_children(root, rank, ranks, received_on).len(),
+        messages: activation_edges(rank, ranks, received_on).len(),
         bytes: 0,
         phases: 1,
     }
@@ -84,7 +85,7 @@ mod tests {
         assert_eq!(s.peers(), vec![1, 3]);
         assert!(exchange(&[], &[], 10).phases.is_empty());
         assert_eq!(pair_request(5, 4).cost().bytes, 16);
-        assert_eq!(activation_cost(0, 0, 8, None).messages, 3);
-        assert_eq!(activation_cost(0, 4, 8, Some(2)).messages, 0);
+        assert_eq!(activation_cost(0, 8, None).messages, 3);
+        assert_eq!(activation_cost(4, 8, Some(2)).messages, 0);
     }
 }
