@@ -20,7 +20,7 @@ use burn::prelude::*;
 use wagma::algo::{AlgoConfig, Resume, StepReport, Worker};
 use wagma::{Comm, Error, Payload, block_on};
 
-use crate::flat::{layout, read_into, write_values};
+use crate::flat::{Path, layout, read_into, write_values};
 
 /// A burn optimizer whose every step also runs a wagma algorithm over `comm`.
 ///
@@ -209,17 +209,17 @@ fn flat_gradients<M: Module>(model: &M, grads: &GradientsParams) -> Vec<f32> {
     struct Reader<'a> {
         grads: &'a GradientsParams,
         out: Vec<f32>,
-        path: Vec<String>,
+        path: Path,
     }
     impl ModuleVisitor for Reader<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
+            self.path.enter(name);
         }
         fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
+            self.path.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if crate::flat::is_buffer(&self.path) {
+            if self.path.is_buffer() {
                 return;
             }
             let n = param.shape().num_elements();
@@ -238,7 +238,7 @@ fn flat_gradients<M: Module>(model: &M, grads: &GradientsParams) -> Vec<f32> {
     let mut r = Reader {
         grads,
         out: Vec::new(),
-        path: Vec::new(),
+        path: Path::default(),
     };
     model.visit(&mut r);
     r.out
@@ -250,17 +250,17 @@ fn set_gradients<M: Module>(model: &M, grads: GradientsParams, values: &[f32]) -
         grads: GradientsParams,
         values: &'a [f32],
         at: usize,
-        path: Vec<String>,
+        path: Path,
     }
     impl ModuleVisitor for Writer<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
+            self.path.enter(name);
         }
         fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
+            self.path.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if crate::flat::is_buffer(&self.path) {
+            if self.path.is_buffer() {
                 return;
             }
             let shape = param.shape();
@@ -280,7 +280,7 @@ fn set_gradients<M: Module>(model: &M, grads: GradientsParams, values: &[f32]) -
         grads,
         values,
         at: 0,
-        path: Vec::new(),
+        path: Path::default(),
     };
     model.visit(&mut w);
     w.grads

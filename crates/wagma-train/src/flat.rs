@@ -8,7 +8,7 @@ use burn::tensor::Gradients;
 use serde::{Deserialize, Serialize};
 
 /// Whether the innermost field name marks a running statistic (BatchNorm's RunningState).
-pub(crate) fn is_buffer(path: &[String]) -> bool {
+fn is_buffer(path: &[String]) -> bool {
     matches!(
         path.last().map(String::as_str),
         Some("running_mean" | "running_var")
@@ -63,15 +63,20 @@ impl Layout {
     }
 }
 
+/// Where a visitor is in the module tree.
 #[derive(Default)]
-struct Path(Vec<String>);
+pub(crate) struct Path(Vec<String>);
 
 impl Path {
-    fn enter(&mut self, name: &str) {
+    pub(crate) fn enter(&mut self, name: &str) {
         self.0.push(name.to_string());
     }
-    fn exit(&mut self) {
+    pub(crate) fn exit(&mut self) {
         self.0.pop();
+    }
+    /// True inside a buffer (a BatchNorm running statistic).
+    pub(crate) fn is_buffer(&self) -> bool {
+        is_buffer(&self.0)
     }
 }
 
