@@ -437,12 +437,15 @@ fn searched_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
     found
 }
 
+/// One round of a tabled pair schedule: its pairs, a singleton as `(x, x)`.
+type PairRound = &'static [(u8, u8)];
+
 /// Pair schedules (S = 2) that reach the lower bound where the local search below does not:
 /// found offline by simulated annealing (28, 29, 31), by a search over schedules whose rounds
 /// are one permutation's powers applied to the first round (30), and over reflection schedules
 /// that pair `x` with `(c_t - x) mod P` (38, 40). Each round lists its pairs, a singleton as
 /// `(x, x)`. [`search_schedule`] checks every window before using one.
-const PAIR_SCHEDULES: &[(usize, &[&[(u8, u8)]])] = &[
+const PAIR_SCHEDULES: &[(usize, &[PairRound])] = &[
     (
         28,
         &[
