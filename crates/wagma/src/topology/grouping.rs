@@ -1114,7 +1114,7 @@ const PAIR_SCHEDULES: &[(usize, &[PairRound])] = &[
 /// The tabled pair schedule for `p`, when it is a balanced schedule whose every window mixes.
 fn tabled_schedule(p: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
     let (_, rounds) = PAIR_SCHEDULES.iter().find(|(q, _)| *q == p)?;
-    let mut rounds: Vec<Vec<Vec<Rank>>> = rounds
+    let rounds: Vec<Vec<Vec<Rank>>> = rounds
         .iter()
         .map(|round| {
             round
@@ -1140,13 +1140,18 @@ fn tabled_schedule(p: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
     if !partitions || unmixed_pairs(p, &rounds) != 0 {
         return None;
     }
+    Some(canonical(rounds))
+}
+
+/// Groups sorted, and each round's groups by their first member.
+fn canonical(mut rounds: Vec<Vec<Vec<Rank>>>) -> Vec<Vec<Vec<Rank>>> {
     for round in &mut rounds {
         for group in round.iter_mut() {
             group.sort_unstable();
         }
-        round.sort_by_key(|g| g[0]);
+        round.sort_by_key(|g| g.first().copied());
     }
-    Some(rounds)
+    rounds
 }
 
 fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
@@ -1197,13 +1202,7 @@ fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
             }
         }
         if current == 0 {
-            for round in &mut rounds {
-                for group in round.iter_mut() {
-                    group.sort_unstable();
-                }
-                round.sort_by_key(|g| g[0]);
-            }
-            return Some(rounds);
+            return Some(canonical(rounds));
         }
     }
     None
