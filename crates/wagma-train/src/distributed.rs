@@ -116,8 +116,9 @@ impl<'c> DistributedOptimizer<'c> {
             // Statistics the forward pass just updated are what this rank contributes.
             read_into(&model, true, self.worker.buffers_mut());
         }
-        let cfg = self.worker.config().clone();
+        let cfg = self.worker.config();
         let averages_models = cfg.algorithm.averages_models();
+        let average_buffers = cfg.scope.average_buffers;
         // Model-averaging algorithms leave the gradient to the inner optimizer untouched.
         let flat_grad = if averages_models {
             Vec::new()
@@ -150,7 +151,7 @@ impl<'c> DistributedOptimizer<'c> {
         if averages_models {
             m = write_values(m, false, self.worker.params());
         }
-        if self.has_buffers && cfg.scope.average_buffers {
+        if self.has_buffers && average_buffers {
             m = write_values(m, true, self.worker.buffers());
         }
         Ok((m, report))
