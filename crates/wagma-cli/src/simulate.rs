@@ -69,43 +69,40 @@ pub struct Common {
     pub seed: u64,
 }
 
-/// The paper's machine, Cray XC50 (Piz Daint) with the Aries interconnect: MPI latency about
-/// 1.3 us, injection bandwidth about 10 GB/s per node (9.7 GB/s measured point to point),
-/// a per-message software overhead of 0.5 us and a message gap of 0.1 us.
-pub fn aries() -> LogGp {
-    LogGp {
-        latency_s: 1.3e-6,
-        overhead_s: 0.5e-6,
-        gap_s: 0.1e-6,
-        per_byte_s: 1.0 / 9.7e9,
-        node_limit: true,
+/// A LogGP network: from a calibration file (default: [`LogGp::aries`]), with the latency and
+/// the bandwidth overridden when given.
+pub fn network_model(
+    file: Option<&std::path::Path>,
+    latency: Option<f64>,
+    bandwidth: Option<f64>,
+) -> anyhow::Result<LogGp> {
+    let mut n = match file {
+        Some(p) => {
+            serde_json::from_slice::<crate::calibrate::Calibration>(
+                &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+            )
+            .with_context(|| format!("parsing {}", p.display()))?
+            .network
+        }
+        None => LogGp::aries(),
+    };
+    if let Some(l) = latency {
+        n.latency_s = l;
     }
+    if let Some(b) = bandwidth {
+        if !(b.is_finite() && b > 0.0) {
+            bail!("--bandwidth must be positive");
+        }
+        n.per_byte_s = 1.0 / b;
+    }
+    n.validate().map_err(anyhow::Error::msg)?;
+    Ok(n)
 }
 
 impl Common {
     /// The network model.
     pub fn network(&self) -> anyhow::Result<LogGp> {
-        let mut n = match &self.network {
-            Some(p) => {
-                serde_json::from_slice::<crate::calibrate::Calibration>(
-                    &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
-                )
-                .with_context(|| format!("parsing {}", p.display()))?
-                .network
-            }
-            None => aries(),
-        };
-        if let Some(l) = self.latency {
-            n.latency_s = l;
-        }
-        if let Some(b) = self.bandwidth {
-            if !(b.is_finite() && b > 0.0) {
-                bail!("--bandwidth must be positive");
-            }
-            n.per_byte_s = 1.0 / b;
-        }
-        n.validate().map_err(anyhow::Error::msg)?;
-        Ok(n)
+        network_model(self.network.as_deref(), self.latency, self.bandwidth)
     }
 
     /// The compute model.

@@ -141,9 +141,26 @@ pub struct Args {
     /// with `--features cuda` or `--features wgpu`).
     #[arg(long)]
     pub device: Option<String>,
-    /// Run every rank in the deterministic virtual-time scheduler (bit-reproducible).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub deterministic: Option<bool>,
+    /// Real gradients in virtual time: every rank is a task of the deterministic
+    /// virtual-time scheduler (bit-reproducible); compute times come from the imbalance profile
+    /// at the paper's scale (default: the workload's: paper-resnet, lengths, heavy-tail) or
+    /// from --compute-trace, messages cross a LogGP network (--network; default: the paper's
+    /// Cray XC50 with Aries). The real cost of the computation does not count.
+    #[arg(long, alias = "deterministic", num_args = 0..=1, default_missing_value = "true")]
+    #[serde(alias = "deterministic")]
+    pub virtual_time: Option<bool>,
+    /// Virtual time: replay the compute times of a trace written by --trace-compute.
+    #[arg(long)]
+    pub compute_trace: Option<PathBuf>,
+    /// Virtual time: network parameters from `wagma simulate calibrate` (default: Aries).
+    #[arg(long)]
+    pub network: Option<PathBuf>,
+    /// Virtual time: LogGP latency L in seconds (overrides --network).
+    #[arg(long)]
+    pub latency: Option<f64>,
+    /// Virtual time: LogGP bandwidth in bytes per second (overrides --network).
+    #[arg(long)]
+    pub bandwidth: Option<f64>,
     /// Image data: a directory of MNIST-format IDX files.
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -226,7 +243,7 @@ fn never_or<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Option<
 /// in every process).
 fn execution(a: &Args) -> anyhow::Result<Execution> {
     let launcher = wagma::transport::discover::discover_env()?;
-    let deterministic = a.deterministic.unwrap_or(false);
+    let deterministic = a.virtual_time.unwrap_or(false);
     Ok(match (a.transport.as_deref(), deterministic, &launcher) {
         (None, false, Some(_)) => match TransportChoice::from_lookup(&|k| std::env::var(k).ok())? {
             TransportChoice::Mpi => Execution::Mpi,
@@ -240,17 +257,17 @@ fn execution(a: &Args) -> anyhow::Result<Execution> {
             d.rank,
             d.world,
             if deterministic {
-                "--deterministic"
+                "--virtual-time"
             } else {
                 "--transport mem"
             }
         ),
         (None | Some("mem"), false, None) => Execution::Threads,
-        (None | Some("mem"), true, None) => Execution::Deterministic,
+        (None | Some("mem"), true, None) => Execution::Virtual,
         (Some("tcp"), false, _) => Execution::Tcp,
         (Some("mpi"), false, _) => Execution::Mpi,
         (Some(t @ ("tcp" | "mpi")), true, _) => {
-            bail!("--deterministic runs in one process; it cannot use --transport {t}")
+            bail!("--virtual-time runs in one process; it cannot use --transport {t}")
         }
         (Some(t), _, _) => bail!("invalid transport {t:?} (mem, tcp or mpi)"),
     })
@@ -419,19 +436,45 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     c.eval_every = a.eval_every.unwrap_or((c.steps / 6).max(1));
     c.budget = a.budget_seconds;
     c.batch = a.batch;
+    c.execution = execution(a)?;
+    let virtual_time = c.execution == Execution::Virtual;
     if let Some(p) = &a.imbalance {
         let profile: Profile = p.parse()?;
-        if profile != Profile::None {
+        // In virtual time the profile is the compute time itself ("none": 450 ms each).
+        if profile != Profile::None || virtual_time {
             c.imbalance = Some(Imbalance {
                 profile,
-                time_scale: a.time_scale.unwrap_or(0.02),
+                time_scale: a
+                    .time_scale
+                    .unwrap_or(if virtual_time { 1.0 } else { 0.02 }),
                 seed: c.seed,
             });
         }
+    } else if virtual_time && a.compute_trace.is_none() {
+        c.imbalance = Some(Imbalance {
+            profile: c.workload.paper_profile(),
+            time_scale: a.time_scale.unwrap_or(1.0),
+            seed: c.seed,
+        });
     } else if a.time_scale.is_some() {
         bail!("--time-scale needs --imbalance");
     }
-    c.execution = execution(a)?;
+    if a.compute_trace.is_some() && !virtual_time {
+        bail!("--compute-trace replays compute times in virtual time: add --virtual-time");
+    }
+    c.compute_trace = a.compute_trace.clone();
+    if a.network.is_some() || a.latency.is_some() || a.bandwidth.is_some() {
+        if !virtual_time {
+            bail!(
+                "--network, --latency and --bandwidth model the network in virtual time: add --virtual-time"
+            );
+        }
+        c.network = Some(crate::simulate::network_model(
+            a.network.as_deref(),
+            a.latency,
+            a.bandwidth,
+        )?);
+    }
     if c.execution.is_multi_process() {
         // One process per rank: the launcher says how many (what `--epochs` divides by).
         if let Some(d) = wagma::transport::discover::discover_env()? {

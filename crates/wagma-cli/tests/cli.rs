@@ -328,6 +328,54 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
 }
 
 #[test]
+fn bench_paper_in_virtual_time_reproduces_its_results_exactly() {
+    for workload in ["image", "navigate", "translate"] {
+        let dir = tmp(&format!("paper-repro-{workload}"));
+        let run = || {
+            let out = wagma()
+                .args(["bench", "paper", "--workload", workload, "--ranks", "4"])
+                .args(["--steps", "4", "--eval-points", "2", "--batch", "4"])
+                .args(["--algos", "wagma,ad-psgd", "--out"])
+                .arg(&dir)
+                .output()
+                .unwrap();
+            ok(&out);
+            std::fs::read(dir.join("results.json")).unwrap()
+        };
+        let (a, b) = (run(), run());
+        assert!(a == b, "{workload}: two runs wrote different results.json");
+        let r: serde_json::Value = serde_json::from_slice(&a).unwrap();
+        for run in r["runs"].as_array().unwrap() {
+            let curve = run["curve"].as_array().unwrap();
+            assert_eq!(curve.len(), 2, "{workload}");
+            for e in curve {
+                assert!(e["replica0"].is_object() && e["consensus"].is_object());
+                assert!(e["wall_s"].as_f64().unwrap() > 0.0);
+                assert!(e["consensus_distance"].is_number());
+            }
+            assert_eq!(run["summary"]["execution"], "virtual");
+            // The virtual time of 4 iterations of the workload's profile: at least 4 of its
+            // shortest steps (0.45 s, 0.179 s, 1.7 s).
+            let least = match workload {
+                "image" => 4.0 * 0.45,
+                "translate" => 4.0 * 0.179,
+                _ => 4.0 * 1.7,
+            };
+            assert!(
+                run["summary"]["wall_s"].as_f64().unwrap() >= least,
+                "{workload}"
+            );
+        }
+        let cost: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("cost.json")).unwrap()).unwrap();
+        assert!(cost[0]["real_ms_per_rank_iteration"].as_f64().unwrap() > 0.0);
+        let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+        assert!(report.contains("virtual time") && report.contains("rank 0"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
 fn bench_paper_smoke_writes_results_plots_and_report() {
     let dir = tmp("paper");
     let out = wagma()

@@ -8,6 +8,7 @@ mod common;
 use common::{stress_reps, tmp, wagma};
 
 use std::fs::File;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -60,6 +61,15 @@ fn spawn_rank(
     if let Some(f) = rdv_file {
         cmd.env("WAGMA_RENDEZVOUS_FILE", f);
     }
+    // A failed assertion must not leave ranks training for hours: they die with the test's
+    // thread.
+    // SAFETY: prctl(2) between fork and exec touches no memory of this process.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
     cmd.spawn().unwrap()
 }
 
@@ -88,7 +98,7 @@ fn train_args(out: &Path, steps: u64, eval_every: u64, extra: &[&str]) -> Vec<St
 
 /// The last iteration rank 0 has evaluated so far.
 fn evaluated(out: &Path) -> u64 {
-    std::fs::read_to_string(out.join("metrics.jsonl.partial"))
+    std::fs::read_to_string(out.join("progress.jsonl"))
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -330,7 +340,7 @@ fn rejoin_once(rep: u64) {
     let killed_after = evaluated(&out);
     // Rank 0 records the loss at an evaluation before the replacement starts.
     assert!(wait_until(Duration::from_secs(120), || {
-        std::fs::read_to_string(out.join("metrics.jsonl.partial"))
+        std::fs::read_to_string(out.join("progress.jsonl"))
             .unwrap_or_default()
             .contains("\"ranks_alive\":3")
     }));

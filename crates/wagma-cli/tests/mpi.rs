@@ -70,7 +70,7 @@ fn kill_one(rep: u64) -> (bool, bool, Duration) {
     let t0 = Instant::now();
     let started = loop {
         let evaluated =
-            std::fs::read_to_string(out.join("metrics.jsonl.partial")).is_ok_and(|m| !m.is_empty());
+            std::fs::read_to_string(out.join("progress.jsonl")).is_ok_and(|m| !m.is_empty());
         if evaluated || t0.elapsed() > Duration::from_secs(120) {
             break evaluated;
         }

@@ -74,20 +74,24 @@ pub enum Compute {
 }
 
 impl Compute {
+    /// Compute seconds of every rank at `step`.
+    pub fn step_times(&self, step: u64, ranks: usize) -> Vec<f64> {
+        match self {
+            Compute::Profile(im) => im.step_times(step, ranks),
+            Compute::Trace(t) => (0..ranks)
+                .map(|r| {
+                    let row = &t.times[r % t.times.len()];
+                    row[step as usize % row.len()]
+                })
+                .collect(),
+        }
+    }
+
     /// The table `[step][rank]` of compute seconds.
     pub fn table(&self, steps: u64, ranks: usize) -> Vec<Vec<f64>> {
         match self {
             Compute::Profile(im) => im.table(steps, ranks),
-            Compute::Trace(t) => (0..steps as usize)
-                .map(|s| {
-                    (0..ranks)
-                        .map(|r| {
-                            let row = &t.times[r % t.times.len()];
-                            row[s % row.len()]
-                        })
-                        .collect()
-                })
-                .collect(),
+            Compute::Trace(_) => (0..steps).map(|s| self.step_times(s, ranks)).collect(),
         }
     }
 }

@@ -23,6 +23,19 @@ pub struct LogGp {
 }
 
 impl LogGp {
+    /// The paper's machine, Cray XC50 (Piz Daint) with the Aries interconnect: MPI latency
+    /// about 1.3 us, injection bandwidth about 10 GB/s per node (9.7 GB/s measured point to
+    /// point), a per-message software overhead of 0.5 us and a message gap of 0.1 us.
+    pub fn aries() -> LogGp {
+        LogGp {
+            latency_s: 1.3e-6,
+            overhead_s: 0.5e-6,
+            gap_s: 0.1e-6,
+            per_byte_s: 1.0 / 9.7e9,
+            node_limit: true,
+        }
+    }
+
     /// Checks that every parameter is finite and non-negative.
     pub fn validate(&self) -> Result<(), String> {
         for (n, v) in [

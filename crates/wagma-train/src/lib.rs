@@ -12,9 +12,11 @@ pub mod data;
 pub mod device;
 pub mod distributed;
 pub mod error;
+mod evaluation;
 pub mod flat;
 pub mod metrics;
 pub mod nav;
+mod offload;
 pub mod trainer;
 pub mod workloads;
 

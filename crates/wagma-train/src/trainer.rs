@@ -17,79 +17,16 @@ use wagma::{Comm, EngineConfig, Error, Payload, block_on};
 use crate::checkpoint::{self, Meta, RankState};
 use crate::config::{Execution, TrainConfig};
 use crate::error::TrainError;
+pub use crate::evaluation::EvalRecord;
+use crate::evaluation::{
+    Evaluation, LossSum, Snapshot, Totals, evaluate_in_process, evaluate_snapshots, latest_s,
+    secs_to_ns, sum_over_ranks,
+};
 use crate::flat::{FlatModel, Layout, train_device};
+use crate::offload::Pool;
 use crate::workloads::Workload;
-
-/// One evaluation: a line of `metrics.jsonl`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EvalRecord {
-    /// Iterations done.
-    pub iteration: u64,
-    /// Seconds since the start, evaluation and checkpoints excluded.
-    pub wall_s: f64,
-    /// Samples processed by all ranks.
-    pub samples: u64,
-    /// Metrics of the consensus model (the global average).
-    pub consensus: BTreeMap<String, f64>,
-    /// Metrics of rank 0's replica.
-    pub replica0: Option<BTreeMap<String, f64>>,
-    /// Mean squared distance of the replicas to their average.
-    pub consensus_distance: f64,
-    /// Share of the ranks' time spent waiting so far.
-    #[serde(default)]
-    pub wait_fraction: f64,
-    /// Staleness of the contributions used so far, all ranks (values above 63 are counted
-    /// at 63).
-    #[serde(default)]
-    pub staleness: Histogram,
-    /// Ranks taking part (fewer than the job's after a loss in elastic mode).
-    #[serde(default)]
-    pub ranks_alive: usize,
-    /// Training loss since the previous evaluation, mean over ranks and steps.
-    #[serde(default)]
-    pub train_loss: Option<f64>,
-}
-
-/// Staleness buckets carried by a summation over ranks (the last one collects the rest).
-const STALENESS_BUCKETS: usize = 64;
-
-/// Waiting, staleness and liveness of the ranks, summed over them.
-struct Totals {
-    wait_s: f64,
-    staleness: Histogram,
-    alive: usize,
-}
-
-impl Totals {
-    /// This rank's part, as numbers to sum over ranks.
-    fn local(cs: &wagma::exec::CommStats) -> Vec<f64> {
-        let mut v = vec![0.0; 2 + STALENESS_BUCKETS];
-        v[0] = cs.wait_s;
-        v[1] = 1.0;
-        for (k, c) in cs.staleness.iter() {
-            v[2 + (k as usize).min(STALENESS_BUCKETS - 1)] += c as f64;
-        }
-        v
-    }
-
-    /// Reads the sums of [`Totals::local`] from the front of `sums`.
-    fn read(sums: &[f64]) -> Totals {
-        let mut staleness = Histogram::default();
-        for (k, &c) in sums[2..2 + STALENESS_BUCKETS].iter().enumerate() {
-            staleness.record_n(k as u64, c.round() as u64);
-        }
-        Totals {
-            wait_s: sums[0],
-            alive: sums[1].round() as usize,
-            staleness,
-        }
-    }
-
-    /// Share of the living ranks' time spent waiting over `wall_s`.
-    fn wait_fraction(&self, wall_s: f64) -> f64 {
-        self.wait_s / (wall_s.max(1e-9) * self.alive.max(1) as f64)
-    }
-}
+use wagma_sim::compute::{Compute, Trace, TraceLine};
+use wagma_sim::{LogGp, LogGpNetwork};
 
 /// `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -133,6 +70,10 @@ pub struct Summary {
     pub params: usize,
     /// The last checkpoint written.
     pub checkpoint: Option<PathBuf>,
+    /// Real seconds the whole run took on this machine (training and evaluation; in virtual
+    /// time, what the simulation cost).
+    #[serde(default)]
+    pub real_s: f64,
 }
 
 /// Receives progress from rank 0.
@@ -162,12 +103,25 @@ pub struct Initial {
     pub layout: Layout,
 }
 
+/// Held while a model is built: burn's random generator is global to the process, so another
+/// build between seeding and building would change the initial model.
+static BUILDING: Mutex<()> = Mutex::new(());
+
+/// A model of the workload's architecture (its values are overwritten; see [`BUILDING`]).
+pub(crate) fn build_flat<W: Workload>(w: &W) -> FlatModel<W::Model> {
+    let _only = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
+    FlatModel::new(w.build(&train_device()))
+}
+
 /// Builds the initial model once (seeded, on this thread) so that every rank starts from the
 /// same values whatever the threads do with burn's global random generator.
 pub fn initial_model<W: Workload>(w: &W, seed: u64) -> Initial {
     let device = train_device();
-    device.seed(seed);
-    let fm = FlatModel::new(w.build(&device));
+    let fm = {
+        let _only = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
+        device.seed(seed);
+        FlatModel::new(w.build(&device))
+    };
     Initial {
         params: fm.params(),
         buffers: fm.buffers(),
@@ -175,20 +129,8 @@ pub fn initial_model<W: Workload>(w: &W, seed: u64) -> Initial {
     }
 }
 
-/// One line of a compute trace (`wagma train --trace-compute FILE`): the real seconds a rank's
-/// local step took (forward and backward), without injected delays or communication.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ComputeLine {
-    /// The rank.
-    pub rank: usize,
-    /// The iteration.
-    pub step: u64,
-    /// Seconds.
-    pub seconds: f64,
-}
-
 /// Appends a rank's trace lines in one write (ranks of one job share the file).
-fn append_trace(path: &Path, lines: &[ComputeLine]) -> Result<(), TrainError> {
+fn append_trace(path: &Path, lines: &[TraceLine]) -> Result<(), TrainError> {
     let mut text = String::new();
     for l in lines {
         text.push_str(&serde_json::to_string(l).map_err(|e| TrainError::Config(e.to_string()))?);
@@ -210,7 +152,25 @@ pub const FINAL_MODEL: &str = "final-model.bin";
 struct Outputs {
     dir: PathBuf,
     metrics: Mutex<Option<std::fs::File>>,
+    progress: Mutex<Option<std::fs::File>>,
 }
+
+/// A line of `progress.jsonl`, written by rank 0 as it passes each evaluation iteration (the
+/// metrics themselves are computed after training, from snapshots).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ProgressLine {
+    /// Iterations rank 0 has done.
+    pub iteration: u64,
+    /// Rank 0's training clock, seconds.
+    pub clock_s: f64,
+    /// Rank 0's mean training loss since its previous line.
+    pub train_loss: Option<f64>,
+    /// Ranks rank 0 knows to be training.
+    pub ranks_alive: usize,
+}
+
+/// Rank 0's progress during training, in the output directory.
+pub const PROGRESS: &str = "progress.jsonl";
 
 impl Outputs {
     fn metrics_partial(dir: &Path) -> PathBuf {
@@ -221,10 +181,24 @@ impl Outputs {
         std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
         let p = Self::metrics_partial(dir);
         let f = std::fs::File::create(&p).map_err(|e| TrainError::io(&p, e))?;
+        let q = dir.join(PROGRESS);
+        let g = std::fs::File::create(&q).map_err(|e| TrainError::io(&q, e))?;
         Ok(Outputs {
             dir: dir.to_path_buf(),
             metrics: Mutex::new(Some(f)),
+            progress: Mutex::new(Some(g)),
         })
+    }
+
+    fn progress(&self, line: &ProgressLine) -> Result<(), TrainError> {
+        let mut g = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = g.as_mut() {
+            let text =
+                serde_json::to_string(line).map_err(|e| TrainError::Config(e.to_string()))?;
+            writeln!(f, "{text}").map_err(|e| TrainError::io(&self.dir, e))?;
+            f.flush().map_err(|e| TrainError::io(&self.dir, e))?;
+        }
+        Ok(())
     }
 
     fn record(&self, r: &EvalRecord) -> Result<(), TrainError> {
@@ -282,14 +256,58 @@ pub fn check_writable(dir: &Path) -> Result<(), TrainError> {
     Ok(())
 }
 
-struct Shared<'a, W: Workload> {
-    w: &'a W,
-    cfg: &'a TrainConfig,
-    init: &'a Initial,
+/// What every rank of a job reads.
+pub(crate) struct Shared<'a, W: Workload> {
+    pub(crate) w: &'a W,
+    pub(crate) cfg: &'a TrainConfig,
+    pub(crate) init: &'a Initial,
+    /// Compute seconds per step: injected delays, or in virtual time the compute itself.
+    compute: Option<ComputeTimes>,
     data: String,
     resume: Option<(PathBuf, Meta)>,
     outputs: Option<Outputs>,
     observer: &'a dyn Observer,
+}
+
+/// Compute times drawn once per step for all ranks (a draw costs O(P)), kept for the ranks
+/// that get there later.
+struct ComputeTimes {
+    model: Compute,
+    rows: Mutex<BTreeMap<u64, std::sync::Arc<Vec<f64>>>>,
+}
+
+impl ComputeTimes {
+    /// Seconds of `rank` (of `ranks`) at `step`.
+    fn of(&self, step: u64, rank: usize, ranks: usize) -> f64 {
+        let row = {
+            let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+            rows.entry(step)
+                .or_insert_with(|| std::sync::Arc::new(self.model.step_times(step, ranks)))
+                .clone()
+        };
+        row.get(rank).copied().unwrap_or(0.0)
+    }
+}
+
+/// The compute time of every rank at every step: in virtual time from the trace or the profile
+/// (nothing: no compute time at all), otherwise the injected delays of the profile.
+fn compute_times(cfg: &TrainConfig) -> Result<Option<ComputeTimes>, TrainError> {
+    let model = match (&cfg.compute_trace, &cfg.imbalance) {
+        (Some(path), _) if cfg.execution == Execution::Virtual => {
+            Compute::Trace(Trace::load(path).map_err(|e| TrainError::Config(e.to_string()))?)
+        }
+        (Some(_), _) => {
+            return Err(TrainError::Config(
+                "a compute trace is replayed in virtual time only".into(),
+            ));
+        }
+        (None, Some(im)) => Compute::Profile(*im),
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(ComputeTimes {
+        model,
+        rows: Mutex::default(),
+    }))
 }
 
 /// Joins the MPI job this process was started in; an error when built without MPI support.
@@ -315,7 +333,15 @@ pub fn connect_mpi(
 
 /// What a rank reports at the end.
 struct RankEnd {
-    summary: Summary,
+    /// Its snapshots, for evaluation after the job (in-process runs).
+    snapshots: Vec<Snapshot>,
+    /// The evaluated points (multi-process runs evaluate before the processes part).
+    evaluated: Option<Vec<Evaluation>>,
+    /// [`Totals::local`] at the end (summed over ranks when `evaluated` is set).
+    totals: Vec<f64>,
+    steps_done: u64,
+    samples: u64,
+    last_ckpt: Option<PathBuf>,
 }
 
 /// Runs the whole training as configured and returns the summary (from rank 0; over TCP, every
@@ -329,10 +355,16 @@ pub fn run<W: Workload>(
     cfg.validate()?;
     crate::device::select(cfg.device)?;
     let init = initial_model(w, cfg.seed);
+    let real_t0 = std::time::Instant::now();
     let engine = EngineConfig {
-        timeout: cfg.timeout,
+        // In virtual time a hang shows as a deadlock, never as a timeout.
+        timeout: if cfg.execution == Execution::Virtual {
+            Duration::from_secs(1 << 40)
+        } else {
+            cfg.timeout
+        },
         // Real processes can die or stall: watch the peers (not needed in virtual time).
-        heartbeat: (cfg.execution != Execution::Deterministic)
+        heartbeat: (cfg.execution != Execution::Virtual)
             .then(|| (cfg.timeout / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))),
         trace: cfg.trace.is_some(),
         elastic: cfg.elastic,
@@ -347,7 +379,7 @@ pub fn run<W: Workload>(
             Some(threaded::connect_tcp(&tcp, engine)?)
         }
         Execution::Mpi => Some(connect_mpi(engine)?),
-        Execution::Threads | Execution::Deterministic => None,
+        Execution::Threads | Execution::Virtual => None,
     };
     let ranks = process.as_ref().map_or(cfg.ranks, |(c, _)| c.size());
     if process.is_some() {
@@ -376,10 +408,12 @@ pub fn run<W: Workload>(
             std::fs::write(t, b"").map_err(|e| TrainError::io(t, e))?;
         }
     }
+    let compute = compute_times(cfg)?;
     let shared = Shared {
         w,
         cfg,
         init: &init,
+        compute,
         data,
         resume,
         outputs: if is_rank0 {
@@ -389,56 +423,162 @@ pub fn run<W: Workload>(
         },
         observer,
     };
-    let task = async |c: &mut Comm| -> Result<RankEnd, Error> {
-        run_rank(c, &shared).await.map_err(|e| match e {
-            TrainError::Engine(e) => e,
-            other => Error::Task {
-                rank: c.rank(),
-                message: other.to_string(),
-            },
-        })
-    };
-    let job: JobResult<RankEnd> = match process {
-        None if cfg.execution == Execution::Deterministic => virtual_time::run(
-            cfg.ranks,
-            engine,
-            virtual_time::VirtualConfig::seeded(cfg.seed),
-            task,
-        )?,
-        None => threaded::run(cfg.ranks, engine, task)?,
-        Some((mut c, handle)) => {
-            let r = block_on(task(&mut c));
-            match &r {
-                Ok(_) => {
-                    block_on(c.finish())?;
+    let job: JobResult<RankEnd> = std::thread::scope(|scope| -> Result<_, TrainError> {
+        // Virtual-time ranks compute their steps on every core (see `offload`).
+        let pool = (cfg.execution == Execution::Virtual).then(|| {
+            Pool::new(
+                scope,
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )
+        });
+        let task = async |c: &mut Comm| -> Result<RankEnd, Error> {
+            run_rank(c, &shared, pool.as_ref())
+                .await
+                .map_err(|e| match e {
+                    TrainError::Engine(e) => e,
+                    other => Error::Task {
+                        rank: c.rank(),
+                        message: other.to_string(),
+                    },
+                })
+        };
+        Ok(match process {
+            None if cfg.execution == Execution::Virtual => virtual_time::run(
+                cfg.ranks,
+                engine,
+                virtual_time::VirtualConfig {
+                    seed: cfg.seed,
+                    network: Box::new(LogGpNetwork::new(
+                        cfg.network.unwrap_or_else(LogGp::aries),
+                        cfg.ranks,
+                    )),
+                },
+                task,
+            )?,
+            None => threaded::run(cfg.ranks, engine, task)?,
+            Some((mut c, handle)) => {
+                let r = block_on(task(&mut c));
+                match &r {
+                    Ok(_) => {
+                        block_on(c.finish())?;
+                    }
+                    Err(_) => c.abort(),
                 }
-                Err(_) => c.abort(),
+                let _ = handle.join();
+                JobResult {
+                    first_failure: r.is_err().then_some(0),
+                    ranks: vec![r],
+                }
             }
-            let _ = handle.join();
-            JobResult {
-                first_failure: r.is_err().then_some(0),
-                ranks: vec![r],
-            }
-        }
+        })
+    })?;
+    let mut ends = job.into_all()?;
+    let points = match ends.first_mut().and_then(|e| e.evaluated.take()) {
+        Some(points) => points,
+        None => evaluate_in_process(
+            &shared,
+            ends.iter_mut()
+                .map(|e| std::mem::take(&mut e.snapshots))
+                .collect(),
+        )?,
     };
-    let summary = job
-        .into_all()?
-        .into_iter()
-        .next()
-        .map(|e| e.summary)
+    let mut totals = vec![0.0; ends.first().map_or(0, |e| e.totals.len())];
+    for e in &ends {
+        for (t, x) in totals.iter_mut().zip(&e.totals) {
+            *t += x;
+        }
+    }
+    let end = ends
+        .first()
         .ok_or_else(|| TrainError::Config("the job has no rank".into()))?;
+    let totals = Totals::read(&totals);
+    if let Some(o) = &shared.outputs {
+        for (j, e) in points.iter().enumerate() {
+            o.record(&e.record)?;
+            if j + 1 == points.len() {
+                let (cp, cb) = e.consensus.clone();
+                o.save_model(e.record.iteration, (Payload::Data(cp), Payload::Data(cb)))?;
+            }
+            observer.eval(&e.record);
+        }
+    }
+    let resumed_s = shared.resume.as_ref().map_or(0.0, |(_, m)| m.train_s);
+    let wall = points.last().map_or(resumed_s, |e| e.record.wall_s);
+    let summary = Summary {
+        workload: w.name().into(),
+        data: shared.data.clone(),
+        label: cfg.algo.algorithm.label(),
+        algo: cfg.algo.clone(),
+        optimizer: cfg.optimizer_or_default(),
+        ranks,
+        steps: end.steps_done,
+        seed: cfg.seed,
+        execution: cfg.execution,
+        imbalance: cfg.imbalance,
+        wall_s: wall,
+        samples: end.samples,
+        samples_per_s: end.samples as f64 / wall.max(1e-9),
+        final_metrics: points
+            .last()
+            .map(|e| e.record.consensus.clone())
+            .unwrap_or_default(),
+        wait_fraction: totals.wait_fraction(wall),
+        ranks_alive: totals.alive,
+        staleness: totals.staleness,
+        params: init.params.len(),
+        checkpoint: end.last_ckpt.clone(),
+        real_s: real_t0.elapsed().as_secs_f64(),
+    };
     if let Some(o) = &shared.outputs {
         o.finish(&summary)?;
     }
     Ok(summary)
 }
 
-async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<RankEnd, TrainError> {
+/// What a local step produced.
+struct LocalStep {
+    /// The loss, when it could be read.
+    loss: Option<f32>,
+    /// Samples used.
+    samples: usize,
+    /// The gradient, flat.
+    grads: Vec<f32>,
+    /// The buffers after the forward pass (BatchNorm statistics), if the model has any.
+    buffers: Option<Vec<f32>>,
+    /// Real seconds of forward and backward.
+    seconds: f64,
+}
+
+/// Forward and backward of `fm` (already holding the replica) on the rank's next batch.
+fn local_step<W: Workload>(
+    w: &W,
+    fm: &mut FlatModel<W::Model>,
+    local: &mut W::Local,
+    t: u64,
+    has_buffers: bool,
+) -> LocalStep {
+    let t0 = std::time::Instant::now();
+    let (loss, samples) = w.loss(fm.model(), local, t);
+    let value = loss.clone().into_data().iter::<f32>().next();
+    let grads = fm.backward(loss);
+    LocalStep {
+        loss: value,
+        samples,
+        grads,
+        buffers: has_buffers.then(|| fm.buffers()),
+        seconds: t0.elapsed().as_secs_f64(),
+    }
+}
+
+async fn run_rank<'s, W: Workload>(
+    comm: &mut Comm,
+    s: &Shared<'s, W>,
+    pool: Option<&Pool<'s>>,
+) -> Result<RankEnd, TrainError> {
     let (cfg, w) = (s.cfg, s.w);
     let rank = comm.rank();
     let p = comm.size();
-    let device = train_device();
-    let mut fm = FlatModel::new(w.build(&device));
+    let mut fm = build_flat(w);
     let mut local = w.local(rank, p, cfg.seed);
     let mut alive = p;
     let (mut params, mut buffers, resume, mut samples, train_s) = match &s.resume {
@@ -508,49 +648,73 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         // The uninterrupted run quiesced here to checkpoint; so does the resumed one.
         worker.quiesce().await?;
     }
+    // This rank's training clock: everything since the start but its own evaluation and
+    // checkpoint work (never its waiting). The reported time of an iteration is the latest of
+    // these clocks over the ranks.
     let mut excluded = 0.0f64;
     let t0 = worker.comm().now();
     let clock = |c: &Comm, excluded: f64| train_s + (c.now() - t0).as_secs_f64() - excluded;
     let mut last_ckpt = None;
-    let mut last_metrics = BTreeMap::new();
     let ckpt_every = cfg.checkpoint_every;
     let mut next_ckpt = ckpt_every.map(|k| start_iter + k);
     let mut steps_done = start_iter;
-    // Ranks still training (fewer after a loss in elastic mode; learnt at evaluations and
-    // admissions).
-    let mut trace: Vec<ComputeLine> = Vec::new();
+    let mut trace: Vec<TraceLine> = Vec::new();
     let mut losses = LossSum::default();
+    let mut snapshots: Vec<Snapshot> = Vec::new();
     for t in start_iter..cfg.steps {
-        if let Some(im) = &cfg.imbalance {
-            let d = im.step_times(t, p).get(rank).copied().unwrap_or(0.0);
-            worker.comm().compute(Duration::from_secs_f64(d)).await;
-        }
+        let d = s.compute.as_ref().map_or(0.0, |c| c.of(t, rank, p));
+        let d = Duration::from_secs_f64(d);
         fm.set_params(worker.params());
         if has_buffers {
             fm.set_buffers(worker.buffers());
         }
-        let local_t0 = std::time::Instant::now();
         let step_start = worker.comm().now();
-        let (loss, n) = w.loss(fm.model(), &mut local, t);
-        if let Some(l) = loss.clone().into_data().iter::<f32>().next() {
+        let done_step = match pool {
+            Some(pool) => {
+                // The step runs on the pool while this rank's virtual compute time passes.
+                let job = pool.submit(move || {
+                    let r = local_step(w, &mut fm, &mut local, t, has_buffers);
+                    (fm, local, r)
+                });
+                worker.comm().compute(d).await;
+                let (f, l, r) = job.wait()?;
+                (fm, local) = (f, l);
+                r
+            }
+            None => {
+                if !d.is_zero() {
+                    worker.comm().compute(d).await;
+                }
+                local_step(w, &mut fm, &mut local, t, has_buffers)
+            }
+        };
+        let LocalStep {
+            loss,
+            samples: n,
+            grads,
+            buffers: new_buffers,
+            seconds,
+        } = done_step;
+        if let Some(l) = loss {
             losses.add(l);
         }
-        let grads = fm.backward(loss);
         if worker.comm().tracing() {
-            let end = worker.comm().now().max(step_start + local_t0.elapsed());
+            let end = worker
+                .comm()
+                .now()
+                .max(step_start + Duration::from_secs_f64(seconds));
             worker
                 .comm()
                 .trace_span("compute", format!("local step {t}"), step_start, end);
         }
         if cfg.trace_compute.is_some() {
-            trace.push(ComputeLine {
+            trace.push(TraceLine {
                 rank,
                 step: t,
-                seconds: local_t0.elapsed().as_secs_f64(),
+                seconds,
             });
         }
-        if has_buffers {
-            let b = fm.buffers();
+        if let Some(b) = new_buffers {
             worker.buffers_mut().copy_from_slice(&b);
         }
         worker.step(&grads).await?;
@@ -562,23 +726,30 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
                 .step(done, samples, clock(worker.comm(), excluded));
         }
         let mut out_of_budget = false;
-        if done % cfg.eval_every == 0 || done == cfg.steps {
+        if cfg.is_eval_point(done) {
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
-            let ev = evaluate(&mut worker, &mut fm, s, done, samples, now, &mut losses).await?;
-            excluded += (worker.comm().now() - e0).as_secs_f64();
-            out_of_budget = ev.out_of_budget;
-            alive = ev.record.ranks_alive;
-            if rank == 0 {
-                if let Some(o) = &s.outputs {
-                    o.record(&ev.record)?;
-                    if done == cfg.steps || out_of_budget {
-                        o.save_model(done, ev.consensus)?;
-                    }
-                }
-                s.observer.eval(&ev.record);
+            let taken = std::mem::take(&mut losses);
+            if cfg.elastic {
+                alive = worker.comm().living_ranks().await?.len();
             }
-            last_metrics = ev.record.consensus;
+            if let Some(o) = s.outputs.as_ref().filter(|_| rank == 0) {
+                o.progress(&ProgressLine {
+                    iteration: done,
+                    clock_s: now,
+                    train_loss: taken.mean(),
+                    ranks_alive: alive,
+                })?;
+            }
+            snapshots.push(Snapshot::take(&mut worker, done, samples, now, taken));
+            excluded += (worker.comm().now() - e0).as_secs_f64();
+            if let Some(budget) = cfg.budget {
+                // A time budget needs an agreement on when it is spent: the one collective of
+                // an evaluation point, and only with a budget.
+                let clocks = worker.comm().gather_u64(&[secs_to_ns(now)]).await?;
+                out_of_budget =
+                    latest_s(clocks.iter().filter_map(|c| c.first().copied())) >= budget;
+            }
         }
         steps_done = done;
         if out_of_budget {
@@ -592,6 +763,8 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         }
         if next_ckpt.is_some_and(|k| done >= k) && cfg.algo.is_clean_point(done) && done < cfg.steps
         {
+            // Waiting for the others is training time; writing is not.
+            worker.quiesce().await?;
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
             last_ckpt = Some(write_checkpoint(&mut worker, s, &local, done, samples, now).await?);
@@ -603,7 +776,6 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
             next_ckpt = ckpt_every.map(|k| done + k);
         }
     }
-    let wall = clock(worker.comm(), excluded);
     if let Some(path) = &cfg.trace_compute {
         append_trace(path, &trace)?;
     }
@@ -612,30 +784,25 @@ async fn run_rank<W: Workload>(comm: &mut Comm, s: &Shared<'_, W>) -> Result<Ran
         let file = wagma::trace::rank_path(path, rank);
         wagma::trace::write(&file, rank, events).map_err(|e| TrainError::io(&file, e))?;
     }
-    let local = Totals::local(worker.comm().stats());
-    let totals = Totals::read(&sum_over_ranks(&mut worker, &local).await?);
-    let summary = Summary {
-        workload: w.name().into(),
-        data: s.data.clone(),
-        label: cfg.algo.algorithm.label(),
-        algo: cfg.algo.clone(),
-        optimizer: opt,
-        ranks: p,
-        steps: steps_done,
-        seed: cfg.seed,
-        execution: cfg.execution,
-        imbalance: cfg.imbalance,
-        wall_s: wall,
+    let mut totals = Totals::local(worker.comm().stats());
+    let mut evaluated = None;
+    if cfg.execution.is_multi_process() {
+        // Training is over: evaluate what the ranks kept, off the clock. (In one process the
+        // snapshots are evaluated after the job, so that no message of a rank that is done
+        // can delay one that is still training.)
+        evaluated = Some(
+            evaluate_snapshots(&mut worker, &mut fm, s, std::mem::take(&mut snapshots)).await?,
+        );
+        totals = sum_over_ranks(&mut worker, &totals).await?;
+    }
+    Ok(RankEnd {
+        snapshots,
+        evaluated,
+        totals,
+        steps_done,
         samples,
-        samples_per_s: samples as f64 / wall.max(1e-9),
-        final_metrics: last_metrics,
-        wait_fraction: totals.wait_fraction(wall),
-        ranks_alive: totals.alive,
-        staleness: totals.staleness,
-        params: s.init.params.len(),
-        checkpoint: last_ckpt,
-    };
-    Ok(RankEnd { summary })
+        last_ckpt,
+    })
 }
 
 /// Where a rejoining rank starts.
@@ -738,120 +905,6 @@ async fn admit_joiners(
     Ok(Some(alive))
 }
 
-/// This rank's training losses since the last evaluation.
-#[derive(Default)]
-struct LossSum {
-    sum: f64,
-    steps: u64,
-}
-
-impl LossSum {
-    fn add(&mut self, loss: f32) {
-        self.sum += f64::from(loss);
-        self.steps += 1;
-    }
-}
-
-async fn evaluate<W: Workload>(
-    worker: &mut Worker<'_>,
-    fm: &mut FlatModel<W::Model>,
-    s: &Shared<'_, W>,
-    iteration: u64,
-    samples: u64,
-    wall_s: f64,
-    losses: &mut LossSum,
-) -> Result<Evaluation, TrainError> {
-    let rank = worker.comm().rank();
-    let distance = worker.consensus_distance().await?;
-    let (cp, cb) = worker.consensus().await?;
-    // The held-out set is split among the living ranks (all of them unless some were lost).
-    let living = worker.comm().living_ranks().await?;
-    let shard = living.iter().position(|&r| r == rank).unwrap_or(0);
-    let mut stats = eval_with(fm, s.w, cp.as_slice(), cb.as_slice(), shard, living.len());
-    let k = stats.len();
-    if s.cfg.eval_replica {
-        // Rank 0's replica, sent to everyone (the others contribute zeros).
-        let n = worker.params().len();
-        let nb = worker.buffers().len();
-        let mut mine = vec![0f32; n + nb];
-        if rank == 0 {
-            mine[..n].copy_from_slice(worker.params());
-            mine[n..].copy_from_slice(worker.buffers());
-        }
-        let r0 = worker
-            .comm()
-            .allreduce(Payload::Data(mine))
-            .await?
-            .into_vec();
-        stats.extend(eval_with(fm, s.w, &r0[..n], &r0[n..], shard, living.len()));
-    }
-    // Waiting, staleness and liveness so far, summed over ranks.
-    let m = stats.len();
-    stats.extend(Totals::local(worker.comm().stats()));
-    let t = stats.len();
-    stats.extend([losses.sum, losses.steps as f64]);
-    *losses = LossSum::default();
-    // Rank 0's training clock rides along: every rank learns whether the budget is spent.
-    stats.push(if rank == 0 { wall_s } else { 0.0 });
-    let sums = sum_over_ranks(worker, &stats).await?;
-    let train_loss = (sums[t + 1] > 0.0).then(|| sums[t] / sums[t + 1]);
-    let named = |xs: &[f64]| -> BTreeMap<String, f64> {
-        s.w.metrics(xs)
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect()
-    };
-    let clock0 = sums.last().copied().unwrap_or(0.0);
-    let totals = Totals::read(&sums[m..t]);
-    let record = EvalRecord {
-        iteration,
-        wall_s,
-        samples,
-        consensus: named(&sums[..k]),
-        replica0: s.cfg.eval_replica.then(|| named(&sums[k..m])),
-        consensus_distance: distance,
-        wait_fraction: totals.wait_fraction(wall_s),
-        staleness: totals.staleness,
-        ranks_alive: totals.alive,
-        train_loss,
-    };
-    Ok(Evaluation {
-        record,
-        consensus: (cp, cb),
-        out_of_budget: s.cfg.budget.is_some_and(|b| clock0 >= b),
-    })
-}
-
-/// Sums `xs` over the ranks (in `f32`, as the engine reduces).
-async fn sum_over_ranks(worker: &mut Worker<'_>, xs: &[f64]) -> Result<Vec<f64>, TrainError> {
-    let f: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
-    let sums = worker.comm().allreduce(Payload::Data(f)).await?;
-    Ok(sums.into_vec().into_iter().map(f64::from).collect())
-}
-
-/// An evaluation and what it implies.
-struct Evaluation {
-    record: EvalRecord,
-    consensus: (Payload, Payload),
-    /// Rank 0's training time has reached the budget: every rank stops here.
-    out_of_budget: bool,
-}
-
-fn eval_with<W: Workload>(
-    fm: &mut FlatModel<W::Model>,
-    w: &W,
-    params: &[f32],
-    buffers: &[f32],
-    rank: usize,
-    p: usize,
-) -> Vec<f64> {
-    fm.set_params(params);
-    if !buffers.is_empty() {
-        fm.set_buffers(buffers);
-    }
-    w.evaluate(&fm.eval_model(), rank, p)
-}
-
 async fn write_checkpoint<W: Workload>(
     worker: &mut Worker<'_>,
     s: &Shared<'_, W>,
@@ -860,7 +913,6 @@ async fn write_checkpoint<W: Workload>(
     samples: u64,
     train_s: f64,
 ) -> Result<PathBuf, TrainError> {
-    worker.quiesce().await?;
     let rank = worker.comm().rank();
     let dir = &s.cfg.out.join("checkpoints");
     let state = RankState {

@@ -31,7 +31,7 @@ fn config(workload: WorkloadKind, algo: &str, ranks: usize, steps: u64, dir: &Pa
         out: dir.to_path_buf(),
         progress: false,
         // Learning is asserted on a fixed outcome: virtual time, seeded scheduling.
-        execution: Execution::Deterministic,
+        execution: Execution::Virtual,
         ..TrainConfig::default()
     }
 }
@@ -150,7 +150,7 @@ fn model(dir: &Path) -> Vec<u32> {
 fn a_resumed_deterministic_run_ends_with_the_uninterrupted_model() {
     let w = image(16);
     let mut c = config(WorkloadKind::Image, "wagma", 8, 40, &out("resume-a"));
-    c.execution = Execution::Deterministic;
+    c.execution = Execution::Virtual;
     c.imbalance = Some(Imbalance {
         profile: Profile::PaperResnet,
         time_scale: 0.01,
@@ -192,7 +192,7 @@ fn bad_data_and_checkpoints_are_refused() {
     let small = image(8);
     let mut c = config(WorkloadKind::Image, "allreduce-sgd", 2, 4, &out("ckpt"));
     c.checkpoint_every = Some(2);
-    c.execution = Execution::Deterministic;
+    c.execution = Execution::Virtual;
     train(&small, &c);
     let wide = ImageWorkload::new(mnist1d::generate(200, 1), mnist1d::generate(50, 2), 8, 24);
     let mut r = c.clone();
@@ -220,7 +220,7 @@ fn bad_data_and_checkpoints_are_refused() {
         2,
         Path::new("/proc/wagma-cannot-write-here"),
     );
-    bad.execution = Execution::Deterministic;
+    bad.execution = Execution::Virtual;
     assert!(matches!(
         trainer::run(&small, &bad, "test".into(), &Quiet),
         Err(TrainError::Io { .. })

@@ -16,7 +16,7 @@ use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::{GroupingKind, default_group_size};
 use wagma_train::trainer::EvalRecord;
 use wagma_train::workloads::image::Dataset;
-use wagma_train::{Summary, TrainConfig, WorkloadKind};
+use wagma_train::{Execution, Summary, TrainConfig, WorkloadKind};
 
 use crate::plot::{self, Series};
 use crate::train::{execute, primary_metric};
@@ -30,13 +30,19 @@ pub struct Args {
     /// Ranks.
     #[arg(long, default_value_t = 8)]
     pub ranks: usize,
-    /// Injected imbalance (default: paper-resnet for image; none for translate and navigate,
-    /// whose imbalance is natural).
+    /// Compute profile (virtual time: the compute times; threads: injected delays). Default
+    /// in virtual time: paper-resnet, lengths, heavy-tail for image, translate, navigate;
+    /// with threads: paper-resnet for image, none for the others (their imbalance is natural).
     #[arg(long)]
     pub imbalance: Option<Profile>,
-    /// Scale of the injected times (1 = the paper's).
-    #[arg(long, default_value_t = 0.05)]
-    pub time_scale: f64,
+    /// Scale of the profile's times (1 = the paper's; default 1 in virtual time, 0.05 with
+    /// threads).
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// virtual (real gradients in virtual time over the simulator's network, reproducible) or
+    /// threads (in-process workers in real time, with the profile's delays as sleeps).
+    #[arg(long, default_value = "virtual")]
+    pub execution: String,
     /// Iterations per algorithm.
     #[arg(long, conflicts_with = "budget_seconds")]
     pub steps: Option<u64>,
@@ -86,6 +92,20 @@ pub struct Run {
     pub time_to_target_s: Option<f64>,
     /// Samples until the target was first reached.
     pub samples_to_target: Option<u64>,
+}
+
+/// What a run cost on this machine (`cost.json`; not in `results.json`, which a virtual-time
+/// comparison reproduces bit for bit).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Cost {
+    /// Algorithm label.
+    pub label: String,
+    /// `main`, or the ablation it belongs to.
+    pub group: String,
+    /// Real seconds of the run (training and evaluation).
+    pub real_s: f64,
+    /// Real milliseconds per rank and iteration.
+    pub real_ms_per_rank_iteration: f64,
 }
 
 /// Facts about the machine, for the report.
@@ -250,11 +270,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         WorkloadKind::Translate => 900,
         WorkloadKind::Navigate => 2000,
     });
+    let execution = match args.execution.as_str() {
+        "virtual" => Execution::Virtual,
+        "threads" => Execution::Threads,
+        e => bail!("invalid execution {e:?} (virtual or threads)"),
+    };
+    let virtual_time = execution == Execution::Virtual;
     let profile = args.imbalance.unwrap_or(match workload {
+        _ if virtual_time => workload.paper_profile(),
         WorkloadKind::Image => Profile::PaperResnet,
         _ => Profile::None,
     });
+    let time_scale = args
+        .time_scale
+        .unwrap_or(if virtual_time { 1.0 } else { 0.05 });
     let mut runs = Vec::with_capacity(plan.len());
+    let mut costs = Vec::with_capacity(plan.len());
     for (i, (group, algo)) in plan.iter().enumerate() {
         let label = algo.algorithm.label();
         let dir = out.join("runs").join(format!("{i:02}-{}", slug(&label)));
@@ -271,11 +302,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             eval_every: (steps / args.eval_points).max(1),
             batch: args.batch,
             seed: args.seed,
-            imbalance: (profile != Profile::None).then_some(Imbalance {
+            imbalance: (profile != Profile::None || virtual_time).then_some(Imbalance {
                 profile,
-                time_scale: args.time_scale,
+                time_scale,
                 seed: args.seed,
             }),
+            execution,
             dataset: match args.dataset.as_str() {
                 "builtin" => Dataset::Builtin,
                 "auto" => Dataset::Auto,
@@ -288,17 +320,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         c.optimizer = Some(wagma_train::config::default_optimizer(workload, steps));
         c.validate()?;
         eprint!("[{}/{}] {label} ({group}) ... ", i + 1, plan.len());
-        let summary = execute(&mut c, None)?;
+        let mut summary = execute(&mut c, None)?;
         eprintln!(
-            "{metric} {:.4} in {:.1} s ({:.0} samples/s)",
+            "{metric} {:.4} in {:.1} s ({:.0} samples/s; {:.1} s real)",
             summary
                 .final_metrics
                 .get(metric)
                 .copied()
                 .unwrap_or(f64::NAN),
             summary.wall_s,
-            summary.samples_per_s
+            summary.samples_per_s,
+            summary.real_s
         );
+        let rank_iterations = (summary.steps * summary.ranks as u64).max(1);
+        costs.push(Cost {
+            label: label.clone(),
+            group: group.clone(),
+            real_s: summary.real_s,
+            real_ms_per_rank_iteration: 1e3 * summary.real_s / rank_iterations as f64,
+        });
+        summary.real_s = 0.0;
         runs.push(Run {
             label,
             group: group.clone(),
@@ -339,9 +380,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         out.join("results.json"),
         serde_json::to_vec_pretty(&results)?,
     )?;
+    std::fs::write(out.join("cost.json"), serde_json::to_vec_pretty(&costs)?)?;
     std::fs::write(out.join("results.csv"), csv(&results))?;
     let plots = plots(&results, &out);
-    std::fs::write(out.join("report.md"), report(&results, &plots))?;
+    std::fs::write(
+        out.join("report.md"),
+        report(&results, &costs, time_scale, &plots),
+    )?;
     println!("{}", table(&results));
     println!("report: {}", out.join("report.md").display());
     Ok(())
@@ -384,14 +429,21 @@ fn csv(r: &Results) -> String {
 /// Markdown table of the runs.
 fn table(r: &Results) -> String {
     let mut s = format!(
-        "| algorithm | group | final {m} | time to target (s) | samples/s | waiting | staleness mean/max |\n|---|---|---|---|---|---|---|\n",
+        "| algorithm | group | final {m} (consensus) | final {m} (rank 0) | time to target (s) | samples/s | waiting | consensus distance | staleness mean/max |\n|---|---|---|---|---|---|---|---|---|\n",
         m = r.metric
     );
     for run in &r.runs {
         let st = &run.summary.staleness;
+        let last = run.curve.last();
+        let replica = last
+            .and_then(|e| e.replica0.as_ref())
+            .and_then(|m| m.get(&r.metric))
+            .copied()
+            .unwrap_or(f64::NAN);
+        let distance = last.map_or(f64::NAN, |e| e.consensus_distance);
         let _ = writeln!(
             s,
-            "| {} | {} | {:.4} | {} | {:.0} | {:.1}% | {} |",
+            "| {} | {} | {:.4} | {replica:.4} | {} | {:.0} | {:.1}% | {distance:.2e} | {} |",
             run.label,
             run.group,
             run.summary
@@ -542,31 +594,44 @@ fn short(label: &str) -> String {
     label.replace("eager-sgd ", "eager ").replace(" tau=10", "")
 }
 
-fn report(r: &Results, plots: &Result<Vec<(String, String)>, String>) -> String {
+fn report(
+    r: &Results,
+    costs: &[Cost],
+    time_scale: f64,
+    plots: &Result<Vec<(String, String)>, String>,
+) -> String {
     let a = &r.args;
     let mut s = format!("# {} workload: WAGMA-SGD and its baselines\n\n", a.workload);
     let _ = writeln!(s, "Produced by `{}`.\n", r.command);
+    let profile = a
+        .imbalance
+        .map_or_else(|| "the workload's default".to_string(), |p| p.to_string());
     let _ = writeln!(
         s,
-        "Machine: {} cores ({}), {:.0} GiB; in-process transport (ranks are threads); seed {}; {} ranks; \
-         imbalance: {}.\n",
-        r.machine.cores,
-        r.machine.cpu,
-        r.machine.memory_gib,
-        a.seed,
-        a.ranks,
-        match a.imbalance {
-            Some(Profile::None) | None if a.workload != "image" =>
-                "natural (no injected delays)".to_string(),
-            p => format!("{} x {}", p.unwrap_or(Profile::PaperResnet), a.time_scale),
-        }
+        "Machine: {} cores ({}), {:.0} GiB; seed {}; {} ranks.\n",
+        r.machine.cores, r.machine.cpu, r.machine.memory_gib, a.seed, a.ranks,
     );
-    let _ = writeln!(
-        s,
-        "Scale: {} ranks share {} cores, so ranks are oversubscribed and the measured throughput includes \
-         that contention; injected delays are sleeps. Metrics are of the consensus model (the global average \
-         of the replicas).\n",
-        a.ranks, r.machine.cores
+    if a.execution == "virtual" {
+        let _ = writeln!(
+            s,
+            "Execution: real gradients on real data in virtual time. Each rank's compute time per \
+             iteration is drawn from the {profile} profile x {time_scale} (1 = the paper's times); \
+             messages cross the LogGP model of a Cray XC50 with Aries (as `wagma simulate`). The time \
+             of iteration t is when the last rank finished it; evaluation works on snapshots after \
+             training and costs no time. Results are reproducible bit for bit.\n"
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "Execution: {} in-process ranks share {} cores in real time, so ranks are oversubscribed and \
+             the measured throughput includes that contention; the {profile} profile x {time_scale} adds \
+             delays as sleeps. The time of iteration t is when the last rank finished it.\n",
+            a.ranks, r.machine.cores
+        );
+    }
+    s.push_str(
+        "Metrics are of the consensus model (the global average of the replicas) and of rank 0's \
+         replica, each at the same iteration.\n\n",
     );
     match r.target {
         Some(t) => {
@@ -584,6 +649,15 @@ fn report(r: &Results, plots: &Result<Vec<(String, String)>, String>) -> String 
         None => s.push_str("No target (allreduce-sgd did not run and none was given).\n\n"),
     }
     s.push_str(&table(r));
+    s.push('\n');
+    s.push_str("Real cost on this machine:\n\n| algorithm | group | real seconds | ms per rank-iteration |\n|---|---|---|---|\n");
+    for c in costs {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.1} | {:.2} |",
+            c.label, c.group, c.real_s, c.real_ms_per_rank_iteration
+        );
+    }
     s.push('\n');
     match plots {
         Ok(list) => {

@@ -272,23 +272,45 @@ impl Comm {
         self.allreduce(Payload::Data(Vec::new())).await.map(|_| ())
     }
 
+    /// Every rank's `values` (each rank passes as many), indexed by rank: a blocking
+    /// collective. Ranks that contributed nothing (lost in elastic mode) read as zeros.
+    pub async fn gather_u64(&mut self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
+        // Each value as three 22-bit parts (exact in f32) in this rank's slots of a sum.
+        const PART: u32 = 22;
+        let (p, k) = (self.size, values.len());
+        let mut v = vec![0f32; 3 * k * p];
+        for (i, &x) in values.iter().enumerate() {
+            for j in 0..3 {
+                v[3 * (self.rank * k + i) + j] = ((x >> (PART * j as u32)) & 0x3f_ffff) as f32;
+            }
+        }
+        let all = self.allreduce(Payload::Data(v)).await?.into_vec();
+        if k == 0 {
+            return Ok(vec![Vec::new(); p]);
+        }
+        Ok(all
+            .chunks_exact(3 * k)
+            .take(p)
+            .map(|rank| {
+                rank.chunks_exact(3)
+                    .map(|c| (0..3).fold(0u64, |acc, j| acc | (c[j] as u64) << (PART * j as u32)))
+                    .collect()
+            })
+            .collect())
+    }
+
     /// A barrier after which every rank continues at the same instant: the ranks agree on the
     /// latest clock among them and each waits until 10 ms after it. Under the deterministic
     /// executor this makes what follows independent of what came before (a run resumed here
     /// replays the uninterrupted one); under threads it costs a short sleep.
     pub async fn align(&mut self) -> Result<(), Error> {
         const MARGIN: Duration = Duration::from_millis(10);
-        // Each rank's clock in nanoseconds, as three 22-bit parts (exact in f32), in its slots.
-        let p = self.size;
         let t = u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX);
-        let mut v = vec![0f32; 3 * p];
-        for k in 0..3 {
-            v[3 * self.rank + k] = ((t >> (22 * k)) & 0x3f_ffff) as f32;
-        }
-        let all = self.allreduce(Payload::Data(v)).await?.into_vec();
-        let latest = all
-            .chunks_exact(3)
-            .map(|c| (0..3).fold(0u64, |acc, k| acc | (c[k] as u64) << (22 * k)))
+        let latest = self
+            .gather_u64(&[t])
+            .await?
+            .iter()
+            .filter_map(|v| v.first().copied())
             .max()
             .unwrap_or(t);
         let target = Duration::from_nanos(latest) + MARGIN;
