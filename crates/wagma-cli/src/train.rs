@@ -94,6 +94,12 @@ pub struct Args {
     /// Samples (sentences; episodes for navigate) per local step.
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Image: base width of the CNN (default 16; the cost of a step grows with its square).
+    #[arg(long)]
+    pub width: Option<usize>,
+    /// Image: label-skewed shards (each rank sees few classes; the non-IID ablation).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub non_iid: Option<bool>,
     /// Local optimizer: sgd, adam or adamw (default: the workload's; image uses SGD with
     /// momentum, translate and navigate use Adam).
     #[arg(long)]
@@ -274,8 +280,13 @@ fn execution(a: &Args) -> anyhow::Result<Execution> {
 }
 
 /// The local optimizer: the workload's default, with the flags over it.
-fn optimizer(a: &Args, w: WorkloadKind, steps: u64) -> anyhow::Result<OptimizerConfig> {
-    let mut opt = default_optimizer(w, steps);
+fn optimizer(
+    a: &Args,
+    w: WorkloadKind,
+    steps: u64,
+    global_batch: usize,
+) -> anyhow::Result<OptimizerConfig> {
+    let mut opt = default_optimizer(w, steps, global_batch);
     if let Some(k) = &a.optimizer {
         let kind: OptimizerKind = k.parse()?;
         if kind != opt.kind {
@@ -436,6 +447,11 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     c.eval_every = a.eval_every.unwrap_or((c.steps / 6).max(1));
     c.budget = a.budget_seconds;
     c.batch = a.batch;
+    c.width = a.width;
+    c.non_iid = a.non_iid.unwrap_or(false);
+    if c.non_iid && c.workload != WorkloadKind::Image {
+        bail!("--non-iid applies to the image workload");
+    }
     c.execution = execution(a)?;
     let virtual_time = c.execution == Execution::Virtual;
     if let Some(p) = &a.imbalance {
@@ -514,7 +530,7 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
             Duration::try_from_secs_f64(t).map_err(|_| anyhow::anyhow!("invalid timeout {t}"))?;
     }
     c.progress = !a.quiet.unwrap_or(false);
-    let opt = optimizer(a, c.workload, c.steps)?;
+    let opt = optimizer(a, c.workload, c.steps, c.ranks * c.image_batch())?;
     if let Some(d) = &a.device {
         c.device = d.parse()?;
     }
@@ -589,12 +605,13 @@ pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summa
     Ok(match c.workload {
         WorkloadKind::Image => {
             let (train, test, name) = image::load(&c.dataset, c.seed)?;
-            let batch = c.batch.unwrap_or(32);
+            let batch = c.image_batch();
             if let Some(e) = epochs {
                 c.steps = epochs_to_steps(e, train.len(), batch, c.ranks)?;
             }
             let held_out = test.len();
-            let w = ImageWorkload::new(train, test, batch, 16);
+            let w = ImageWorkload::new(train, test, batch, c.width.unwrap_or(16))
+                .with_label_skew(c.non_iid);
             let data = format!(
                 "{name}: {} training samples, {held_out} held out",
                 w.train_len()

@@ -108,6 +108,12 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Samples (or sentences, or environment episodes) per local step; `None`: the workload's.
     pub batch: Option<usize>,
+    /// Image: base width of the CNN (channels of its first stage; `None`: 16).
+    #[serde(default)]
+    pub width: Option<usize>,
+    /// Image: label-skewed shards (each rank sees few classes) instead of uniform ones.
+    #[serde(default)]
+    pub non_iid: bool,
     /// Seed of data order, initialization and imbalance.
     pub seed: u64,
     /// Injected imbalance (in virtual time: the compute times themselves).
@@ -168,6 +174,8 @@ impl Default for TrainConfig {
             budget: None,
             eval_every: 100,
             batch: None,
+            width: None,
+            non_iid: false,
             seed: 1,
             imbalance: None,
             compute_trace: None,
@@ -204,6 +212,9 @@ impl TrainConfig {
         }
         if self.eval_every == 0 {
             return Err(TrainError::Config("eval-every must be at least 1".into()));
+        }
+        if self.width == Some(0) {
+            return Err(TrainError::Config("width must be at least 1".into()));
         }
         if self.batch == Some(0) {
             return Err(TrainError::Config("batch must be at least 1".into()));
@@ -248,21 +259,39 @@ impl TrainConfig {
 
     /// The optimizer: the configured one, or the workload's default.
     pub fn optimizer_or_default(&self) -> OptimizerConfig {
-        self.optimizer
-            .clone()
-            .unwrap_or_else(|| default_optimizer(self.workload, self.steps))
+        self.optimizer.clone().unwrap_or_else(|| {
+            default_optimizer(self.workload, self.steps, self.ranks * self.image_batch())
+        })
+    }
+
+    /// Samples per local step of the image workload.
+    pub fn image_batch(&self) -> usize {
+        self.batch.unwrap_or(IMAGE_BATCH)
     }
 }
 
+/// Samples per local step of the image workload by default.
+pub const IMAGE_BATCH: usize = 32;
+
+/// Global batch (all ranks) at which the image workload's peak learning rate is
+/// [`IMAGE_LR`].
+pub const IMAGE_REFERENCE_BATCH: usize = 256;
+
+/// Peak learning rate of the image workload at [`IMAGE_REFERENCE_BATCH`].
+pub const IMAGE_LR: f32 = 0.05;
+
 /// A workload's default local optimizer: SGD with momentum for the image CNN (the paper's
-/// ResNet recipe), Adam with warm-up for the Transformer (as the paper's), and Adam for PPO
-/// (as DD-PPO).
-pub fn default_optimizer(w: WorkloadKind, steps: u64) -> OptimizerConfig {
+/// ResNet recipe, with the linear scaling rule of Goyal et al.: the peak rate grows with the
+/// global batch, `IMAGE_LR * global_batch / IMAGE_REFERENCE_BATCH`, after a linear warm-up
+/// over the first 5% of the steps), Adam with warm-up for the Transformer (as the paper's), and
+/// Adam for PPO (as DD-PPO); these two do not scale with the batch. `global_batch` is the
+/// samples of one iteration over all ranks.
+pub fn default_optimizer(w: WorkloadKind, steps: u64, global_batch: usize) -> OptimizerConfig {
     let warmup = (steps / 20).min(200);
     match w {
         WorkloadKind::Image => OptimizerConfig {
             lr: LrSchedule::Cosine {
-                lr: 0.05,
+                lr: IMAGE_LR * global_batch.max(1) as f32 / IMAGE_REFERENCE_BATCH as f32,
                 warmup,
                 total: steps,
                 min_lr: 0.0,

@@ -74,6 +74,10 @@ pub struct Summary {
     /// time, what the simulation cost).
     #[serde(default)]
     pub real_s: f64,
+    /// In virtual time: the no-wait ideal, the slowest rank's own compute time over the steps
+    /// run (no algorithm can take less; `wall_s` below it would be a measurement bug).
+    #[serde(default)]
+    pub ideal_s: Option<f64>,
 }
 
 /// Receives progress from rank 0.
@@ -286,6 +290,18 @@ impl ComputeTimes {
                 .clone()
         };
         row.get(rank).copied().unwrap_or(0.0)
+    }
+
+    /// The largest sum over steps `from..to` of one rank's times (of `ranks`).
+    fn ideal(&self, from: u64, to: u64, ranks: usize) -> f64 {
+        // As the ranks wait them: whole nanoseconds per step.
+        let mut sums = vec![Duration::ZERO; ranks];
+        for t in from..to {
+            for (s, d) in sums.iter_mut().zip(self.model.step_times(t, ranks)) {
+                *s += Duration::from_secs_f64(d);
+            }
+        }
+        sums.into_iter().max().unwrap_or_default().as_secs_f64()
     }
 }
 
@@ -503,6 +519,7 @@ pub fn run<W: Workload>(
         }
     }
     let resumed_s = shared.resume.as_ref().map_or(0.0, |(_, m)| m.train_s);
+    let resumed_from = shared.resume.as_ref().map_or(0, |(_, m)| m.iteration);
     let wall = points.last().map_or(resumed_s, |e| e.record.wall_s);
     let summary = Summary {
         workload: w.name().into(),
@@ -528,6 +545,11 @@ pub fn run<W: Workload>(
         params: init.params.len(),
         checkpoint: end.last_ckpt.clone(),
         real_s: real_t0.elapsed().as_secs_f64(),
+        ideal_s: shared
+            .compute
+            .as_ref()
+            .filter(|_| cfg.execution == Execution::Virtual)
+            .map(|c| c.ideal(resumed_from, end.steps_done, ranks)),
     };
     if let Some(o) = &shared.outputs {
         o.finish(&summary)?;

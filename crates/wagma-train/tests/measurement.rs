@@ -145,6 +145,37 @@ fn evaluation_leaves_the_run_unchanged() {
 }
 
 #[test]
+fn no_algorithm_beats_the_no_wait_ideal_of_its_compute_draws() {
+    for algo in [
+        "wagma",
+        "allreduce-sgd",
+        "local-sgd",
+        "d-psgd",
+        "ad-psgd",
+        "sgp",
+        "eager-sgd-solo",
+        "eager-sgd-majority",
+    ] {
+        let dir = out(&format!("ideal-{algo}"));
+        let mut c = config(algo, 5, 10, 5, &dir);
+        c.imbalance = Some(wagma::imbalance::Imbalance {
+            profile: wagma::imbalance::Profile::Lengths,
+            time_scale: 1.0,
+            seed: 7,
+        });
+        let s = run(&c);
+        let ideal = s.ideal_s.expect("virtual time knows its ideal");
+        assert!(ideal > 10.0 * 0.179, "{algo}: ideal {ideal}");
+        assert!(
+            s.wall_s >= ideal,
+            "{algo}: {} s beats the ideal {ideal} s",
+            s.wall_s
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
 fn rank_zero_replica_is_reported_beside_the_consensus() {
     let dir = out("replica");
     let mut c = config("ad-psgd", 4, 12, 4, &dir);

@@ -70,6 +70,12 @@ pub struct Args {
     /// Samples per local step.
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Image: base width of the CNN (default 16).
+    #[arg(long)]
+    pub width: Option<usize>,
+    /// Image: label-skewed shards (the non-IID ablation).
+    #[arg(long)]
+    pub non_iid: bool,
     /// Output directory.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -301,6 +307,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             budget: args.budget_seconds,
             eval_every: (steps / args.eval_points).max(1),
             batch: args.batch,
+            width: args.width,
+            non_iid: args.non_iid,
             seed: args.seed,
             imbalance: (profile != Profile::None || virtual_time).then_some(Imbalance {
                 profile,
@@ -317,7 +325,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             progress: false,
             ..TrainConfig::default()
         };
-        c.optimizer = Some(wagma_train::config::default_optimizer(workload, steps));
+        c.optimizer = Some(wagma_train::config::default_optimizer(
+            workload,
+            steps,
+            c.ranks * c.image_batch(),
+        ));
         c.validate()?;
         eprint!("[{}/{}] {label} ({group}) ... ", i + 1, plan.len());
         let mut summary = execute(&mut c, None)?;
@@ -429,7 +441,7 @@ fn csv(r: &Results) -> String {
 /// Markdown table of the runs.
 fn table(r: &Results) -> String {
     let mut s = format!(
-        "| algorithm | group | final {m} (consensus) | final {m} (rank 0) | time to target (s) | samples/s | waiting | consensus distance | staleness mean/max |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| algorithm | group | final {m} (consensus) | final {m} (rank 0) | time to target (s) | samples/s | time / no-wait ideal | waiting | consensus distance | staleness mean/max |\n|---|---|---|---|---|---|---|---|---|---|\n",
         m = r.metric
     );
     for run in &r.runs {
@@ -441,9 +453,14 @@ fn table(r: &Results) -> String {
             .copied()
             .unwrap_or(f64::NAN);
         let distance = last.map_or(f64::NAN, |e| e.consensus_distance);
+        let ideal = run
+            .summary
+            .ideal_s
+            .filter(|&i| i > 0.0)
+            .map_or("-".into(), |i| format!("{:.3}", run.summary.wall_s / i));
         let _ = writeln!(
             s,
-            "| {} | {} | {:.4} | {replica:.4} | {} | {:.0} | {:.1}% | {distance:.2e} | {} |",
+            "| {} | {} | {:.4} | {replica:.4} | {} | {:.0} | {ideal} | {:.1}% | {distance:.2e} | {} |",
             run.label,
             run.group,
             run.summary

@@ -80,6 +80,21 @@ pub fn shard(n: usize, rank: usize, ranks: usize, seed: u64) -> Vec<usize> {
     all.into_iter().skip(rank).step_by(ranks.max(1)).collect()
 }
 
+/// A label-skewed shard (the non-IID ablation): the samples sorted by label (seeded order
+/// within a label) and cut into `ranks` contiguous parts of equal size, so each rank sees about
+/// `classes / ranks` classes (one or two when there are more ranks than classes).
+pub fn label_skewed_shard(labels: &[u8], rank: usize, ranks: usize, seed: u64) -> Vec<usize> {
+    let mut all: Vec<usize> = (0..labels.len()).collect();
+    all.shuffle(&mut ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_5a4d));
+    all.sort_by_key(|&i| labels[i]);
+    let ranks = ranks.max(1);
+    let (lo, hi) = (
+        rank * all.len() / ranks,
+        (rank + 1).min(ranks) * all.len() / ranks,
+    );
+    all.get(lo..hi).map(<[usize]>::to_vec).unwrap_or_default()
+}
+
 /// Endless shuffled minibatches of one rank's shard (see [`shard`]); each epoch visits the
 /// shard in a new seeded order.
 #[derive(Debug, Clone)]
@@ -94,7 +109,11 @@ pub struct Sampler {
 impl Sampler {
     /// The shard of `rank` among `ranks` over `n` samples.
     pub fn new(n: usize, rank: usize, ranks: usize, seed: u64) -> Sampler {
-        let shard = shard(n, rank, ranks, seed);
+        Sampler::over(shard(n, rank, ranks, seed), rank, seed)
+    }
+
+    /// Minibatches of `rank` over the given shard.
+    pub fn over(shard: Vec<usize>, rank: usize, seed: u64) -> Sampler {
         let mut s = Sampler {
             order: Vec::new(),
             shard,
@@ -170,6 +189,20 @@ mod tests {
             classes.dedup();
             assert_eq!(classes.len(), 10, "rank {r}");
         }
+        // Label-skewed shards also partition the data, each holding few classes.
+        let labels: Vec<u8> = (0..1000).map(|i| (i % 10) as u8).collect();
+        let mut seen = vec![0; 1000];
+        for r in 0..5 {
+            let part = label_skewed_shard(&labels, r, 5, 3);
+            let mut classes: Vec<u8> = part.iter().map(|&i| labels[i]).collect();
+            classes.sort_unstable();
+            classes.dedup();
+            assert_eq!(classes, vec![2 * r as u8, 2 * r as u8 + 1], "rank {r}");
+            for i in part {
+                seen[i] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
         let mut a = Sampler::new(100, 1, 3, 7);
         a.next_batch(50);
         let (e, at) = a.position();

@@ -163,6 +163,7 @@ pub struct ImageWorkload {
     test: Arc<ImageSet>,
     batch: usize,
     width: usize,
+    non_iid: bool,
 }
 
 /// One rank's sampler over its shard.
@@ -178,7 +179,14 @@ impl ImageWorkload {
             test: Arc::new(test),
             batch,
             width,
+            non_iid: false,
         }
+    }
+
+    /// Label-skewed shards instead of uniform ones (see [`crate::data::label_skewed_shard`]).
+    pub fn with_label_skew(mut self, on: bool) -> ImageWorkload {
+        self.non_iid = on;
+        self
     }
 
     fn tensors(set: &ImageSet, idx: &[usize], device: &Device) -> (Tensor<4>, Tensor<1, Int>) {
@@ -211,9 +219,13 @@ impl Workload for ImageWorkload {
     }
 
     fn local(&self, rank: usize, ranks: usize, seed: u64) -> ImageLocal {
-        ImageLocal {
-            sampler: Sampler::new(self.train.len(), rank, ranks, seed),
-        }
+        let sampler = if self.non_iid {
+            let shard = crate::data::label_skewed_shard(&self.train.labels, rank, ranks, seed);
+            Sampler::over(shard, rank, seed)
+        } else {
+            Sampler::new(self.train.len(), rank, ranks, seed)
+        };
+        ImageLocal { sampler }
     }
 
     fn loss(&self, model: &ResNet, local: &mut ImageLocal, _step: u64) -> (Tensor<1>, usize) {
