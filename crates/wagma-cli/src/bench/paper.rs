@@ -397,7 +397,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let plots = plots(&results, &out);
     std::fs::write(
         out.join("report.md"),
-        report(&results, &costs, time_scale, &plots),
+        report(&results, &costs, profile, time_scale, &plots),
     )?;
     println!("{}", table(&results));
     println!("report: {}", out.join("report.md").display());
@@ -614,15 +614,13 @@ fn short(label: &str) -> String {
 fn report(
     r: &Results,
     costs: &[Cost],
+    profile: Profile,
     time_scale: f64,
     plots: &Result<Vec<(String, String)>, String>,
 ) -> String {
     let a = &r.args;
     let mut s = format!("# {} workload: WAGMA-SGD and its baselines\n\n", a.workload);
     let _ = writeln!(s, "Produced by `{}`.\n", r.command);
-    let profile = a
-        .imbalance
-        .map_or_else(|| "the workload's default".to_string(), |p| p.to_string());
     let _ = writeln!(
         s,
         "Machine: {} cores ({}), {:.0} GiB; seed {}; {} ranks.\n",
