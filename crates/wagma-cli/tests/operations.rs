@@ -18,7 +18,7 @@ fn text(out: &Output) -> String {
 fn train4(steps: u32) -> Command {
     let steps = steps.to_string();
     let mut cmd = wagma();
-    cmd.args(["train", "--deterministic", "true", "--ranks", "4"])
+    cmd.args(["train", "--virtual-time", "true", "--ranks", "4"])
         .args(["--steps", &steps, "--eval-every", &steps])
         .args(["--dataset", "builtin", "--quiet", "true"]);
     cmd
