@@ -18,7 +18,7 @@ use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::GroupingKind;
 use wagma_train::config::default_optimizer;
 use wagma_train::nav::NavConfig;
-use wagma_train::trainer::{self, EvalRecord, Observer};
+use wagma_train::trainer::{self, EvalRecord, Observer, ProgressLine};
 use wagma_train::workloads::image::{self, Dataset, ImageWorkload};
 use wagma_train::workloads::navigate::{NavigateWorkload, PpoConfig};
 use wagma_train::workloads::translate::TranslateWorkload;
@@ -558,6 +558,13 @@ impl Observer for Bar {
         if train_s > 0.0 {
             self.bar
                 .set_prefix(format!("{:.0} samples/s", samples as f64 / train_s));
+        }
+    }
+
+    fn progress(&self, p: &ProgressLine) {
+        if let Some(l) = p.train_loss {
+            self.bar
+                .set_message(format!("training loss {l:.4} at {}", p.iteration));
         }
     }
 

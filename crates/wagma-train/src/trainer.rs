@@ -84,8 +84,10 @@ pub struct Summary {
 pub trait Observer: Sync {
     /// After each iteration.
     fn step(&self, iteration: u64, samples: u64, train_s: f64);
-    /// After each evaluation.
+    /// For each evaluation, after training (metrics come from snapshots).
     fn eval(&self, record: &EvalRecord);
+    /// When rank 0 passes an evaluation iteration during training.
+    fn progress(&self, _line: &ProgressLine) {}
 }
 
 /// An observer that does nothing.
@@ -755,13 +757,17 @@ async fn run_rank<'s, W: Workload>(
             if cfg.elastic {
                 alive = worker.comm().living_ranks().await?.len();
             }
-            if let Some(o) = s.outputs.as_ref().filter(|_| rank == 0) {
-                o.progress(&ProgressLine {
+            if rank == 0 {
+                let line = ProgressLine {
                     iteration: done,
                     clock_s: now,
                     train_loss: taken.mean(),
                     ranks_alive: alive,
-                })?;
+                };
+                if let Some(o) = &s.outputs {
+                    o.progress(&line)?;
+                }
+                s.observer.progress(&line);
             }
             snapshots.push(Snapshot::take(&mut worker, done, samples, now, taken));
             excluded += (worker.comm().now() - e0).as_secs_f64();
