@@ -146,16 +146,7 @@ fn evaluation_leaves_the_run_unchanged() {
 
 #[test]
 fn no_algorithm_beats_the_no_wait_ideal_of_its_compute_draws() {
-    for algo in [
-        "wagma",
-        "allreduce-sgd",
-        "local-sgd",
-        "d-psgd",
-        "ad-psgd",
-        "sgp",
-        "eager-sgd-solo",
-        "eager-sgd-majority",
-    ] {
+    for algo in Algorithm::NAMES {
         let dir = out(&format!("ideal-{algo}"));
         let mut c = config(algo, 5, 10, 5, &dir);
         c.imbalance = Some(wagma::imbalance::Imbalance {
