@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use wagma::algo::{AlgoConfig, Algorithm};
+use wagma::imbalance::{Imbalance, Profile};
 use wagma_train::data::mnist1d;
 use wagma_train::trainer::{self, EvalRecord, FINAL_MODEL, Quiet};
 use wagma_train::workloads::image::ImageWorkload;
@@ -32,6 +33,15 @@ fn config(algo: &str, ranks: usize, steps: u64, eval_every: u64, dir: &Path) -> 
         execution: Execution::Virtual,
         ..TrainConfig::default()
     }
+}
+
+/// A compute profile at the paper's scale.
+fn at_paper_scale(profile: Profile, seed: u64) -> Option<Imbalance> {
+    Some(Imbalance {
+        profile,
+        time_scale: 1.0,
+        seed,
+    })
 }
 
 fn curve(dir: &Path) -> Vec<EvalRecord> {
@@ -110,11 +120,7 @@ fn evaluation_leaves_the_run_unchanged() {
         let once = out(&format!("eval-once-{algo}"));
         let mut c = config(algo, 4, 16, 2, &often);
         // Stragglers make the replicas drift apart between evaluations.
-        c.imbalance = Some(wagma::imbalance::Imbalance {
-            profile: wagma::imbalance::Profile::PaperResnet,
-            time_scale: 1.0,
-            seed: 3,
-        });
+        c.imbalance = at_paper_scale(Profile::PaperResnet, 3);
         let a = run(&c);
         c.eval_every = 16;
         c.out = once.clone();
@@ -149,11 +155,7 @@ fn no_algorithm_beats_the_no_wait_ideal_of_its_compute_draws() {
     for algo in Algorithm::NAMES {
         let dir = out(&format!("ideal-{algo}"));
         let mut c = config(algo, 5, 10, 5, &dir);
-        c.imbalance = Some(wagma::imbalance::Imbalance {
-            profile: wagma::imbalance::Profile::Lengths,
-            time_scale: 1.0,
-            seed: 7,
-        });
+        c.imbalance = at_paper_scale(Profile::Lengths, 7);
         let s = run(&c);
         let ideal = s.ideal_s.expect("virtual time knows its ideal");
         assert!(ideal > 10.0 * 0.179, "{algo}: ideal {ideal}");
@@ -170,11 +172,7 @@ fn no_algorithm_beats_the_no_wait_ideal_of_its_compute_draws() {
 fn rank_zero_replica_is_reported_beside_the_consensus() {
     let dir = out("replica");
     let mut c = config("ad-psgd", 4, 12, 4, &dir);
-    c.imbalance = Some(wagma::imbalance::Imbalance {
-        profile: wagma::imbalance::Profile::PaperResnet,
-        time_scale: 1.0,
-        seed: 1,
-    });
+    c.imbalance = at_paper_scale(Profile::PaperResnet, 1);
     run(&c);
     let points = curve(&dir);
     assert_eq!(points.len(), 3);
