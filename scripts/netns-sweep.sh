@@ -78,11 +78,15 @@ shape() { # rate delay -> prints the shaping actually applied
 # Runs `wagma ARGS...` as one rank per host; the ranks'
 # outputs land in $out/rank-N.{out,err}. Fails, printing the ranks' errors, if one fails.
 on_hosts() {
+  # A fresh random secret, which the ranks inherit through the environment: never on a
+  # command line, where other users could read it.
+  local -x WAGMA_SECRET
+  WAGMA_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
   local port=$(( 20000 + ($$ % 20000) + RANDOM % 1000 ))
   local pids=()
   for i in $(seq 0 $((HOSTS - 1))); do
     ip netns exec "${TAG}n$i" env WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
-      WAGMA_RENDEZVOUS="$NET.1:$port" WAGMA_BIND="$NET.$((i + 1))" WAGMA_JOB_ID="$TAG" WAGMA_SECRET="$TAG-secret" \
+      WAGMA_RENDEZVOUS="$NET.1:$port" WAGMA_BIND="$NET.$((i + 1))" WAGMA_JOB_ID="$TAG" \
       "$WAGMA" "$@" > "$out/rank-$i.out" 2> "$out/rank-$i.err" &
     pids+=($!)
   done

@@ -307,6 +307,7 @@ pub fn validate(a: ValidateArgs) -> anyhow::Result<()> {
                 batch: setting("batch")? as usize,
                 tau: setting("tau")?,
                 peers: setting("peers")? as usize,
+                exchange_pieces: 1,
                 network: None,
                 latency: None,
                 bandwidth: None,

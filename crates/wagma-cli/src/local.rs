@@ -41,23 +41,6 @@ fn inherit_as(cmd: &mut Command, socket: &std::net::TcpListener, fd: i32) {
     }
 }
 
-/// A random job id and secret for a job started by this process.
-pub fn fresh_credentials() -> (String, String) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let pid = std::process::id();
-    (
-        format!("local-{pid}-{seed:x}"),
-        format!(
-            "{:x}{:x}",
-            seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-            u128::from(pid) << 64 ^ seed
-        ),
-    )
-}
-
 impl LocalJob {
     /// Starts `ranks` processes of `program args`, each with the TCP rendezvous environment
     /// and `extra` variables; stdout is piped when `capture` is set, stderr is inherited.
@@ -68,7 +51,11 @@ impl LocalJob {
         extra: &[(&str, String)],
         capture: bool,
     ) -> anyhow::Result<LocalJob> {
-        let (job_id, secret) = fresh_credentials();
+        // A fresh job id and secret from the OS's random source for every job; they reach the
+        // ranks through their environment only, never a command line.
+        let cred = wagma::transport::tcp::Credentials::random()?;
+        let secret = String::from_utf8_lossy(&cred.secret).into_owned();
+        let job_id = cred.job_id;
         // The rendezvous port stays bound from here on: this process binds it and hands the
         // listening socket to rank 0 (no port is chosen, closed and bound again later, which
         // another process could take in between).
@@ -84,6 +71,7 @@ impl LocalJob {
                 .env(env::RENDEZVOUS, &rendezvous)
                 .env(env::JOB_ID, &job_id)
                 .env(env::SECRET, &secret)
+                .env_remove(env::SECRET_FILE)
                 .env_remove(env::RENDEZVOUS_FD)
                 .stdin(Stdio::null());
             if rank == 0 {

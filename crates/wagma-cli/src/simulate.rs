@@ -54,6 +54,10 @@ pub struct Common {
     /// SGP's peers.
     #[arg(long, default_value_t = 1)]
     pub peers: usize,
+    /// D-PSGD and SGP: exchange the model as this many chained pieces per iteration (the
+    /// authors' baselines exchange one tensor at a time: 161 for ResNet-50).
+    #[arg(long, default_value_t = 1)]
+    pub exchange_pieces: u32,
     /// Network parameters from `wagma simulate calibrate` (default: a Cray XC50 with the Aries
     /// interconnect; the README lists where each value comes from).
     #[arg(long)]
@@ -123,7 +127,10 @@ impl Common {
 
     /// The algorithm called `name`, with these options.
     pub fn algo(&self, name: &str, ranks: usize) -> anyhow::Result<AlgoConfig> {
-        crate::bench::algo_config(name, ranks, None, self.tau, self.peers, self.seed)
+        let mut c = crate::bench::algo_config(name, ranks, None, self.tau, self.peers, self.seed)?;
+        c.exchange_pieces = self.exchange_pieces;
+        c.validate(ranks)?;
+        Ok(c)
     }
 
     /// The simulation of `name` on `ranks` ranks over `network` with `compute` (both resolved

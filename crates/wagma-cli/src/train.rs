@@ -73,6 +73,10 @@ pub struct Args {
     /// Average BatchNorm statistics with the parameters.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_buffers: Option<bool>,
+    /// D-PSGD and SGP: exchange the model as this many chained pieces per iteration, as the
+    /// authors' baselines do (one per tensor); 1: the whole model at once.
+    #[arg(long)]
+    pub exchange_pieces: Option<u32>,
     /// Average wagma's optimizer state (momentum, Adam's moments) with the model too.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_optimizer_state: Option<bool>,
@@ -193,6 +197,11 @@ pub struct Args {
     /// survive; it writes the outputs).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub elastic: Option<bool>,
+    /// TCP: run without a secret although the job listens beyond loopback, where anyone who
+    /// can reach it could join (also `WAGMA_ALLOW_EMPTY_SECRET=1`). Without it such a job
+    /// refuses to start.
+    #[arg(long)]
+    pub allow_empty_secret: bool,
     /// Start this process in place of a rank that an elastic TCP job has lost (same rank,
     /// world size, rendezvous and arguments): it rejoins at the job's next global average,
     /// starting from the consensus model. WAGMA-SGD only; rank 0 cannot rejoin.
@@ -433,6 +442,9 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     if let Some(b) = a.average_buffers {
         c.algo.scope.average_buffers = b;
     }
+    if let Some(n) = a.exchange_pieces {
+        c.algo.exchange_pieces = n;
+    }
     if let Some(b) = a.average_optimizer_state {
         c.algo.scope.average_optimizer_state = b;
     }
@@ -522,6 +534,7 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     if let Some(e) = a.elastic {
         c.elastic = e;
     }
+    c.allow_empty_secret = a.allow_empty_secret;
     if let Some(r) = a.rejoin {
         c.rejoin = r;
     }

@@ -331,19 +331,31 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
 fn bench_paper_in_virtual_time_reproduces_its_results_exactly() {
     for workload in ["image", "navigate", "translate"] {
         let dir = tmp(&format!("paper-repro-{workload}"));
-        let run = || {
+        let run = |steps: &str, extra: &[&str]| {
             let out = wagma()
                 .args(["bench", "paper", "--workload", workload, "--ranks", "4"])
-                .args(["--steps", "4", "--eval-points", "2", "--batch", "4"])
+                .args(["--steps", steps, "--eval-points", "2", "--batch", "4"])
                 .args(["--algos", "wagma,ad-psgd", "--out"])
                 .arg(&dir)
+                .args(extra)
                 .output()
                 .unwrap();
             ok(&out);
-            std::fs::read(dir.join("results.json")).unwrap()
+            let reused = String::from_utf8_lossy(&out.stderr)
+                .matches("(reused)")
+                .count();
+            (std::fs::read(dir.join("results.json")).unwrap(), reused)
         };
-        let (a, b) = (run(), run());
+        let (a, b) = (run("4", &[]), run("4", &[]));
         assert!(a == b, "{workload}: two runs wrote different results.json");
+        assert_eq!(a.1, 0);
+        // Resumed, both runs are taken from the directory and the results are the same; with
+        // another configuration nothing is reused.
+        let resumed = run("4", &["--resume"]);
+        assert_eq!(resumed, (a.0.clone(), 2), "{workload}");
+        assert_eq!(run("2", &["--resume"]).1, 0, "{workload}");
+        let (a, _) = run("4", &["--resume"]);
+        assert_eq!(a, resumed.0);
         let r: serde_json::Value = serde_json::from_slice(&a).unwrap();
         for run in r["runs"].as_array().unwrap() {
             let curve = run["curve"].as_array().unwrap();

@@ -266,7 +266,8 @@ fn outcome(out: &Path) -> (f64, u64) {
 #[test]
 fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     let (ranks, steps) = (8, 600);
-    let extra = ["--elastic", "--timeout", "20"];
+    // Checkpoints every 100 iterations: those after the loss cannot hold every rank.
+    let extra = ["--elastic", "--timeout", "20", "--checkpoint-every", "100"];
     // Undisturbed.
     let dir = tmp("elastic-base");
     std::fs::create_dir_all(&dir).unwrap();
@@ -295,6 +296,18 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     }
     let (acc, alive) = outcome(&out);
     assert_eq!(alive, 7);
+    // The checkpoints after the loss were skipped; the latest holds all 8 ranks' parts.
+    let ckpt = out.join("checkpoints");
+    let latest = ckpt.join(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim());
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(latest.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["ranks"], 8);
+    assert!(meta["iteration"].as_u64().unwrap() < steps, "{meta}");
+    for r in 0..ranks {
+        assert!(latest.join(format!("rank-{r}.bin")).is_file(), "rank {r}");
+    }
+    let log0 = std::fs::read_to_string(dir2.join("rank-0.log")).unwrap();
+    assert!(log0.contains("checkpoint skipped"), "{log0}");
     eprintln!("undisturbed accuracy {base:.4}; rank 5 killed half-way: {acc:.4}");
     assert!(
         (acc - base).abs() <= 0.01,

@@ -9,9 +9,11 @@
 //! * `DIR/LATEST`: the name of the newest complete checkpoint.
 //!
 //! Writing: every rank writes its file (temporary name, then rename) into `.ckpt-<iteration>.tmp`;
-//! when all succeeded, rank 0 adds `meta.json`, renames the directory and then replaces
-//! `LATEST` (temporary file, then rename). Until that last rename the previous checkpoint is
-//! the one `LATEST` names, untouched.
+//! when all succeeded and every one of the job's ranks has its file there, rank 0 adds
+//! `meta.json`, renames the directory to a name no other checkpoint has and then replaces
+//! `LATEST` (temporary file, then rename), syncing files and directory entries. Until that last
+//! rename the previous checkpoint is the one `LATEST` names, untouched; only then are older
+//! ones pruned.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -87,18 +89,41 @@ fn tmp_dir(dir: &Path, iteration: u64) -> PathBuf {
     dir.join(format!(".ckpt-{iteration:010}.tmp"))
 }
 
+/// A name for the checkpoint of `iteration` that no existing directory has: a checkpoint
+/// of the same iteration made again (after a resume) never replaces the one `LATEST` may
+/// still name. Names sort in the order they were made.
 fn final_dir(dir: &Path, iteration: u64) -> PathBuf {
-    dir.join(format!("ckpt-{iteration:010}"))
+    let first = dir.join(format!("ckpt-{iteration:010}"));
+    if !first.exists() {
+        return first;
+    }
+    (1u32..)
+        .map(|n| dir.join(format!("ckpt-{iteration:010}.{n:04}")))
+        .find(|p| !p.exists())
+        .unwrap_or(first)
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, syncing the data.
+/// Makes the entries of directory `dir` (creations, renames) durable.
+fn sync_dir(dir: &Path) -> Result<(), TrainError> {
+    #[cfg(unix)]
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, e))?;
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, syncing the data and the
+/// directory entry.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     let tmp = path.with_extension("partial");
     let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
     f.write_all(bytes).map_err(|e| io(&tmp, e))?;
     f.sync_all().map_err(|e| io(&tmp, e))?;
     drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+    std::fs::rename(&tmp, path).map_err(|e| io(path, e))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
 fn encode(state: &RankState) -> Vec<u8> {
@@ -194,14 +219,25 @@ pub fn read_model(path: &Path) -> Result<RankState, TrainError> {
 /// latest; older checkpoints beyond the newest `keep` are removed.
 pub fn commit(dir: &Path, meta: &Meta, keep: usize) -> Result<PathBuf, TrainError> {
     let tmp = tmp_dir(dir, meta.iteration);
+    // Resuming needs every rank's part: one the job lost (elastic runs) makes the checkpoint
+    // incomplete, and committing it would make `LATEST` name what cannot be resumed.
+    if let Some(r) = (0..meta.ranks).find(|r| !tmp.join(format!("rank-{r}.bin")).is_file()) {
+        abandon(dir, meta.iteration);
+        return Err(TrainError::checkpoint(
+            dir,
+            format!(
+                "rank {r} wrote no part at iteration {} (it may have been lost); a checkpoint \
+                 must hold all {} ranks, so the previous one stays the latest",
+                meta.iteration, meta.ranks
+            ),
+        ));
+    }
     let json =
         serde_json::to_vec_pretty(meta).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
     write_atomic(&tmp.join("meta.json"), &json)?;
     let done = final_dir(dir, meta.iteration);
-    if done.exists() {
-        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
-    }
     std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+    sync_dir(dir)?;
     let name = done
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -387,7 +423,9 @@ mod tests {
     #[test]
     fn a_failed_write_leaves_the_previous_checkpoint() {
         let d = tempdir("fail");
-        write_rank(&d, &state(0, 10)).unwrap();
+        for r in 0..2 {
+            write_rank(&d, &state(r, 10)).unwrap();
+        }
         commit(&d, &meta(10), 2).unwrap();
         // The next checkpoint breaks half-way: one rank wrote, the other did not.
         write_rank(&d, &state(0, 20)).unwrap();
@@ -395,14 +433,46 @@ mod tests {
         let c = locate(&d).unwrap();
         assert_eq!(read_meta(&c).unwrap().iteration, 10);
         assert_eq!(read_rank(&c, 0).unwrap(), state(0, 10));
+        // A commit that lacks a rank's part (a rank an elastic job lost) is refused, and
+        // neither `LATEST` nor the previous checkpoint change.
+        write_rank(&d, &state(0, 30)).unwrap();
+        let e = commit(&d, &meta(30), 1).unwrap_err().to_string();
+        assert!(e.contains("rank 1 wrote no part"), "{e}");
+        assert_eq!(locate(&d).unwrap(), c);
+        assert!(c.join("rank-1.bin").is_file());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_made_again_never_replaces_the_one_latest_names() {
+        let d = tempdir("again");
+        let mut made = Vec::new();
+        for _ in 0..2 {
+            for r in 0..2 {
+                write_rank(&d, &state(r, 10)).unwrap();
+            }
+            made.push(commit(&d, &meta(10), 2).unwrap());
+        }
+        assert_ne!(made[0], made[1]);
+        assert!(made[0].join("meta.json").is_file());
+        assert_eq!(locate(&d).unwrap(), made[1]);
+        // The newer sorts after the older, so pruning keeps the newest.
+        for r in 0..2 {
+            write_rank(&d, &state(r, 20)).unwrap();
+        }
+        commit(&d, &meta(20), 2).unwrap();
+        assert!(!made[0].exists() && made[1].exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn corruption_and_mismatches_are_refused() {
         let d = tempdir("bad");
-        write_rank(&d, &state(0, 5)).unwrap();
+        for r in 0..2 {
+            write_rank(&d, &state(r, 5)).unwrap();
+        }
         let c = commit(&d, &meta(5), 2).unwrap();
+        std::fs::remove_file(c.join("rank-1.bin")).unwrap();
         let f = c.join("rank-0.bin");
         let mut bytes = std::fs::read(&f).unwrap();
         let k = bytes.len() - 6;

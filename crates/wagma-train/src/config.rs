@@ -152,6 +152,10 @@ pub struct TrainConfig {
     /// from the consensus model at the job's next global average (WAGMA-SGD only).
     #[serde(default)]
     pub rejoin: bool,
+    /// TCP: run without a secret although the job listens beyond loopback, where anyone who
+    /// can reach it could join (otherwise such a job refuses to start).
+    #[serde(default)]
+    pub allow_empty_secret: bool,
     /// Also evaluate rank 0's replica.
     pub eval_replica: bool,
     /// End-to-end timeout of any collective.
@@ -189,6 +193,7 @@ impl Default for TrainConfig {
             resume: None,
             elastic: false,
             rejoin: false,
+            allow_empty_secret: false,
             eval_replica: true,
             timeout: Duration::from_secs(120),
             progress: true,

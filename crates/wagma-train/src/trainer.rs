@@ -394,6 +394,12 @@ pub fn run<W: Workload>(
             let mut tcp = TcpConfig::from_env()?;
             tcp.rejoin = cfg.rejoin;
             tcp.accept_rejoins = cfg.elastic;
+            tcp.allow_empty_secret |= cfg.allow_empty_secret;
+            // A write blocked longer than the job's timeout would silence this rank's
+            // heartbeats past the point where its peers give up on it.
+            if std::env::var_os(wagma::transport::tcp::env::IO_TIMEOUT).is_none() {
+                tcp.io_timeout = cfg.timeout;
+            }
             Some(threaded::connect_tcp(&tcp, engine)?)
         }
         Execution::Mpi => Some(connect_mpi(engine)?),
@@ -795,7 +801,9 @@ async fn run_rank<'s, W: Workload>(
             worker.quiesce().await?;
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
-            last_ckpt = Some(write_checkpoint(&mut worker, s, &local, done, samples, now).await?);
+            if let Some(c) = write_checkpoint(&mut worker, s, &local, done, samples, now).await? {
+                last_ckpt = Some(c);
+            }
             let e1 = worker.comm().now();
             worker
                 .comm()
@@ -933,6 +941,8 @@ async fn admit_joiners(
     Ok(Some(alive))
 }
 
+/// Writes a checkpoint at `iteration` (see [`checkpoint`]); `None` when it was skipped because
+/// the job has lost a rank.
 async fn write_checkpoint<W: Workload>(
     worker: &mut Worker<'_>,
     s: &Shared<'_, W>,
@@ -940,7 +950,7 @@ async fn write_checkpoint<W: Workload>(
     iteration: u64,
     samples: u64,
     train_s: f64,
-) -> Result<PathBuf, TrainError> {
+) -> Result<Option<PathBuf>, TrainError> {
     let rank = worker.comm().rank();
     let dir = &s.cfg.out.join("checkpoints");
     let state = RankState {
@@ -960,9 +970,21 @@ async fn write_checkpoint<W: Workload>(
         .into_vec();
     let any_failed = failed.first().is_some_and(|&x| x > 0.0);
     let mut committed = Ok(dir.clone());
+    // Rank 0's verdict, which the vote below hands to every rank: 0 committed, 1 failed, 2
+    // skipped because the job lost a rank (a checkpoint must hold every rank's part).
+    let mut verdict = 0.0f32;
+    let size = worker.comm().size();
+    let lost = if rank == 0 {
+        worker.comm().living_ranks().await?.len() < size
+    } else {
+        false
+    };
     if rank == 0 {
         if any_failed {
             checkpoint::abandon(dir, iteration);
+        } else if lost {
+            checkpoint::abandon(dir, iteration);
+            verdict = 2.0;
         } else {
             let meta = Meta {
                 format: checkpoint::FORMAT_VERSION,
@@ -976,16 +998,28 @@ async fn write_checkpoint<W: Workload>(
                 train_s,
             };
             committed = checkpoint::commit(dir, &meta, 2);
+            if committed.is_err() {
+                verdict = 1.0;
+            }
         }
     }
     let ok = worker
         .comm()
-        .allreduce(Payload::Data(vec![f32::from(u8::from(committed.is_err()))]))
+        .allreduce(Payload::Data(vec![verdict]))
         .await?
         .into_vec();
     mine?;
     // Leave exactly as a resumed run starts: from a double barrier (see `run_rank`).
     worker.quiesce().await?;
+    if ok.first() == Some(&2.0) {
+        tracing::warn!(
+            rank,
+            iteration,
+            "checkpoint skipped: the job has lost a rank, and a checkpoint must hold all {size}; \
+             the last complete one stays the latest"
+        );
+        return Ok(None);
+    }
     if any_failed {
         return Err(TrainError::checkpoint(
             dir,
@@ -999,5 +1033,5 @@ async fn write_checkpoint<W: Workload>(
             TrainError::checkpoint(dir, "rank 0 could not complete the checkpoint")
         }));
     }
-    committed
+    committed.map(Some)
 }

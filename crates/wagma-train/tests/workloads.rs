@@ -229,3 +229,31 @@ fn bad_data_and_checkpoints_are_refused() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// Debian's `dataset-fashion-mnist`, which `Dataset::Auto` prefers. Where it is not installed
+/// there is nothing to check, unless `WAGMA_REQUIRE_FASHION_MNIST` is set (CI installs it).
+#[test]
+fn fashion_mnist_loads_when_installed() {
+    let dir = Path::new(idx::FASHION_MNIST_DIR);
+    if !dir.is_dir() {
+        assert!(
+            std::env::var_os("WAGMA_REQUIRE_FASHION_MNIST").is_none(),
+            "{} is required but missing",
+            dir.display()
+        );
+        eprintln!("{} is not installed: nothing to check", dir.display());
+        return;
+    }
+    let (train, test) = idx::load_dir(dir).unwrap();
+    for (set, n) in [(&train, 60_000), (&test, 10_000)] {
+        assert_eq!(set.labels.len(), n);
+        assert_eq!((set.channels, set.height, set.width), (1, 28, 28));
+        assert_eq!(set.pixels.len(), n * 28 * 28);
+        assert!(set.labels.iter().all(|&l| l < 10));
+        // Balanced classes: 6,000 (or 1,000) of each.
+        let per_class = (0..10u8)
+            .map(|c| set.labels.iter().filter(|&&l| l == c).count())
+            .collect::<Vec<_>>();
+        assert_eq!(per_class, vec![n / 10; 10]);
+    }
+}

@@ -130,6 +130,26 @@ pub enum Error {
         /// What the transport reported.
         reason: String,
     },
+    /// Elastic mode: the ranks this rank still reaches are no strict majority of the job, or
+    /// do not include rank 0, so it stops rather than train on beside another part of the job
+    /// (a partition, or rank 0's loss).
+    #[error(
+        "rank {rank}: lost rank {lost}; the {} ranks it still reaches ({alive:?}) are {}, so \
+         it stops (elastic runs continue only on the side with rank 0 and a strict majority of \
+         the {ranks} ranks)",
+        alive.len(),
+        if alive.contains(&0) { "no strict majority" } else { "without rank 0, which writes the outputs" }
+    )]
+    NoQuorum {
+        /// Reporting rank.
+        rank: Rank,
+        /// The rank whose loss broke the quorum.
+        lost: Rank,
+        /// The ranks still reached, this one included.
+        alive: Vec<Rank>,
+        /// The job's original size.
+        ranks: usize,
+    },
     /// Two ranks passed buffers of different lengths to one collective.
     #[error(
         "rank {rank}: {op}: buffer length mismatch: this rank has {local} elements, \
@@ -224,6 +244,7 @@ impl Error {
         match self {
             Error::Timeout { missing, .. } => missing.first().copied(),
             Error::PeerLost { peer, .. } | Error::LengthMismatch { peer, .. } => Some(*peer),
+            Error::NoQuorum { lost, .. } => Some(*lost),
             Error::Stopped { cause: Some(c), .. } => c.peer(),
             Error::Transport {
                 source: TransportError::Peer { peer, .. },

@@ -196,7 +196,8 @@ impl Payload {
 
     /// Size in bytes as carried on a wire.
     pub fn bytes(&self) -> usize {
-        self.len() * std::mem::size_of::<f32>()
+        // Saturating: a virtual length may be anything a simulation asks for.
+        self.len().saturating_mul(std::mem::size_of::<f32>())
     }
 
     /// A copy of `range` (in a recycled buffer).

@@ -10,46 +10,9 @@ use wagma::{Comm, EngineConfig, Error, Payload};
 
 #[test]
 fn wagma_goes_on_without_a_dead_rank() {
-    let p = 8;
-    let cfg = EngineConfig {
-        timeout: Duration::from_secs(10),
-        heartbeat: Some(Duration::from_millis(250)),
-        elastic: true,
-        ..EngineConfig::default()
-    };
-    let algo = AlgoConfig::new(Algorithm::Wagma(WagmaOptions {
-        tau: Some(5),
-        ..WagmaOptions::default()
-    }));
     // Every rank pulls its model towards 1.0; rank 5 dies half-way.
-    let out = threaded::run(p, cfg, async |c: &mut Comm| {
-        let rank = c.rank();
-        let mut w = Worker::new(
-            c,
-            algo.clone(),
-            OptimizerConfig::sgd(0.1),
-            Payload::Data(vec![0.0; 4]),
-            Payload::default(),
-        )
-        .await?;
-        for t in 0..60 {
-            if rank == 5 && t == 30 {
-                return Err(Error::Task {
-                    rank,
-                    message: "killed".into(),
-                });
-            }
-            w.comm()
-                .compute(Duration::from_millis(1 + (rank as u64 + t) % 3))
-                .await;
-            let grad: Vec<f32> = w.params().iter().map(|x| x - 1.0).collect();
-            w.step(&grad).await?;
-        }
-        let (consensus, _) = w.consensus().await?;
-        Ok(consensus.into_vec())
-    })
-    .unwrap();
-    for (rank, r) in out.ranks.iter().enumerate() {
+    let out = elastic_run(8, 60, |r| (r == 5).then_some(30));
+    for (rank, r) in out.iter().enumerate() {
         if rank == 5 {
             assert!(r.is_err());
             continue;
@@ -101,5 +64,100 @@ fn collectives_average_over_the_living_after_a_loss() {
             assert_eq!(a, &vec![1.0; 3]);
         }
         assert_eq!(living, &vec![0, 1, 2]);
+    }
+}
+
+/// Trains `p` elastic WAGMA ranks for `steps` steps, each pulling its model towards 1.0;
+/// `dies(rank)` is the step at which a rank stops (if ever). Returns each rank's consensus
+/// model or error.
+fn elastic_run(
+    p: usize,
+    steps: u64,
+    dies: impl Fn(usize) -> Option<u64> + Sync,
+) -> Vec<Result<Vec<f32>, Error>> {
+    let cfg = EngineConfig {
+        timeout: Duration::from_secs(10),
+        heartbeat: Some(Duration::from_millis(250)),
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let algo = AlgoConfig::new(Algorithm::Wagma(WagmaOptions {
+        tau: Some(5),
+        ..WagmaOptions::default()
+    }));
+    let out = threaded::run(p, cfg, async |c: &mut Comm| {
+        let rank = c.rank();
+        let mut w = Worker::new(
+            c,
+            algo.clone(),
+            OptimizerConfig::sgd(0.1),
+            Payload::Data(vec![0.0; 4]),
+            Payload::default(),
+        )
+        .await?;
+        for t in 0..steps {
+            if dies(rank) == Some(t) {
+                return Err(Error::Task {
+                    rank,
+                    message: "killed".into(),
+                });
+            }
+            w.comm()
+                .compute(Duration::from_millis(1 + (rank as u64 + t) % 3))
+                .await;
+            let grad: Vec<f32> = w.params().iter().map(|x| x - 1.0).collect();
+            w.step(&grad).await?;
+        }
+        let (consensus, _) = w.consensus().await?;
+        Ok(consensus.into_vec())
+    })
+    .unwrap();
+    out.ranks
+}
+
+/// The quorum error behind `r`, whether reported directly or as the cause of a stop.
+fn no_quorum<T>(r: &Result<T, Error>) -> Option<&Error> {
+    match r {
+        Err(e @ Error::NoQuorum { .. }) => Some(e),
+        Err(Error::Stopped { cause: Some(c), .. }) if matches!(**c, Error::NoQuorum { .. }) => {
+            Some(c)
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn survivors_without_a_strict_majority_stop_naming_the_partition() {
+    // 4 ranks: losing rank 3 leaves 3 of 4 (a majority); losing rank 2 as well leaves 2 of 4.
+    let out = elastic_run(4, 40, |r| match r {
+        3 => Some(5),
+        2 => Some(20),
+        _ => None,
+    });
+    for (rank, r) in out.iter().enumerate().take(2) {
+        match no_quorum(r) {
+            Some(
+                e @ Error::NoQuorum {
+                    lost, alive, ranks, ..
+                },
+            ) => {
+                assert_eq!((*lost, alive.as_slice(), *ranks), (2, &[0, 1][..], 4));
+                assert!(e.to_string().contains("no strict majority"), "{e}");
+            }
+            _ => panic!("rank {rank}: {r:?}"),
+        }
+    }
+}
+
+#[test]
+fn losing_rank_0_ends_an_elastic_job_on_every_survivor() {
+    let out = elastic_run(3, 40, |r| (r == 0).then_some(10));
+    for r in &out[1..] {
+        match no_quorum(r) {
+            Some(e @ Error::NoQuorum { lost: 0, .. }) => {
+                assert!(e.to_string().contains("without rank 0"), "{e}");
+            }
+            _ => panic!("{r:?}"),
+        }
     }
 }

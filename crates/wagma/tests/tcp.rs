@@ -368,6 +368,11 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
         rx.recv_timeout(Duration::from_secs(10))
             .expect("a delivery")
     };
+    // While rank 2 is alive, nobody may take its place.
+    let e = open(cfg(2, true))
+        .err()
+        .expect("a live rank cannot be replaced");
+    assert!(e.to_string().contains("alive"), "{e}");
     // Rank 2 goes away; its peers see the connection close.
     drop(ranks.pop());
     for (_, rx) in &ranks {
@@ -386,4 +391,119 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
         assert_eq!((back.from, back.tag.seq), (peer, 20 + peer as u64));
         assert_eq!(back.data.as_slice(), &[back.tag.seq as f32; 3]);
     }
+}
+
+/// Rank 0's rendezvous in a thread of this process, with the address it bound.
+fn rendezvous_in_thread(
+    cfg: TcpConfig,
+    dir: &TempDir,
+) -> (
+    std::thread::JoinHandle<
+        Result<wagma::transport::tcp::TcpTransport, wagma::error::TransportError>,
+    >,
+    String,
+) {
+    let file = dir.path().join("rendezvous");
+    let mut c0 = cfg;
+    c0.rendezvous = "127.0.0.1:0".into();
+    c0.rendezvous_file = Some(file.clone());
+    let rank0 = std::thread::spawn(move || {
+        let (tx, _rx) = crossbeam_channel::unbounded();
+        wagma::transport::tcp::connect(&c0, tx)
+    });
+    let rdv = await_rendezvous(&file, || None);
+    (rank0, rdv)
+}
+
+#[test]
+fn silent_and_trickling_callers_do_not_hold_up_the_start() {
+    let cred = Credentials {
+        job_id: "patient".into(),
+        secret: b"patient-secret".to_vec(),
+    };
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
+        // Far longer than a correct start-up takes on any machine, far shorter than the
+        // trickler below would hold a listener that served callers one at a time.
+        c.connect_timeout = Duration::from_secs(60);
+        c
+    };
+    let dir = TempDir::new("tcp-patient");
+    let (rank0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    // A few callers that connect and say nothing, and one that sends a byte every 500 ms
+    // for 120 s: each read it makes succeeds, so only a whole-handshake deadline ends it.
+    let silent: Vec<_> = (0..5)
+        .map(|_| std::net::TcpStream::connect(&rdv).unwrap())
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickler = {
+        let (rdv, stop) = (rdv.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(&rdv).unwrap();
+            for _ in 0..240 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[1]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
+    let others: Vec<_> = (1..3)
+        .map(|r| {
+            let c = config(r, &rdv);
+            std::thread::spawn(move || {
+                let (tx, _rx) = crossbeam_channel::unbounded();
+                wagma::transport::tcp::connect(&c, tx).map(|_| ())
+            })
+        })
+        .collect();
+    for h in others {
+        h.join()
+            .unwrap()
+            .expect("a rank joins past the silent callers");
+    }
+    rank0
+        .join()
+        .unwrap()
+        .expect("rank 0 starts past the silent callers");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickler.join().unwrap();
+    drop(silent);
+}
+
+#[test]
+fn an_empty_secret_beyond_loopback_is_refused() {
+    // Listening on the unspecified address is beyond loopback.
+    let mut cfg = TcpConfig::new(
+        0,
+        2,
+        "127.0.0.1:0",
+        Credentials {
+            job_id: "open".into(),
+            secret: Vec::new(),
+        },
+    );
+    cfg.bind = Some(std::net::Ipv4Addr::UNSPECIFIED.into());
+    cfg.connect_timeout = Duration::from_secs(5);
+    let (tx, _rx) = crossbeam_channel::unbounded();
+    let e = wagma::transport::tcp::connect(&cfg, tx)
+        .err()
+        .expect("no secret beyond loopback");
+    assert!(e.to_string().contains(env::ALLOW_EMPTY_SECRET), "{e}");
+}
+
+#[test]
+fn a_secret_file_others_can_read_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("tcp-secret-file");
+    let f = dir.path().join("secret");
+    std::fs::write(&f, "  s3cret\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let e = wagma::transport::tcp::read_secret_file(&f).unwrap_err();
+    assert!(e.to_string().contains("chmod 600"), "{e}");
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(
+        wagma::transport::tcp::read_secret_file(&f).unwrap(),
+        b"s3cret"
+    );
 }

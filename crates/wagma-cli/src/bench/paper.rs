@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 use serde::{Deserialize, Serialize};
-use wagma::algo::{AlgoConfig, Algorithm, CombineRule, WagmaOptions};
+use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
 use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::{GroupingKind, default_group_size};
 use wagma_train::trainer::EvalRecord;
@@ -55,9 +55,17 @@ pub struct Args {
     /// Target metric (default: 98% of allreduce-sgd's final value).
     #[arg(long)]
     pub target: Option<f64>,
-    /// Also run WAGMA's ablations (groups, group size, tau, combination rule).
+    /// Also run the paper's four ablations of WAGMA: no group averaging (local SGD with period
+    /// tau), fixed groups, a smaller group size (half the default) and S = P.
     #[arg(long)]
     pub ablations: bool,
+    /// Reuse the runs of an earlier invocation into the same `--out` whose configuration is
+    /// identical (kept in each run's `bench-config.json`); runs that differ or did not finish
+    /// are made again. Lets a long benchmark be completed after an interruption. (Not part
+    /// of the results: they are the same either way.)
+    #[arg(long)]
+    #[serde(skip)]
+    pub resume: bool,
     /// Algorithms, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     pub algos: Vec<String>,
@@ -171,66 +179,79 @@ fn plan(args: &Args) -> anyhow::Result<Vec<(String, AlgoConfig)>> {
     } else {
         args.algos.clone()
     };
-    let cfg = |a: Algorithm| {
-        let mut c = AlgoConfig::new(a);
-        c.seed = args.seed;
-        c
-    };
     let mut out = Vec::new();
     for n in &names {
         let a = Algorithm::from_name(n.trim())?;
         a.validate(args.ranks)?;
-        out.push(("main".to_string(), cfg(a)));
+        out.push(("main".to_string(), seeded(a, args.seed)));
     }
     if args.ablations {
-        let p = args.ranks;
-        let base = WagmaOptions::default();
-        let w = |o: WagmaOptions| cfg(Algorithm::Wagma(o));
-        for g in [
-            GroupingKind::Fixed,
-            GroupingKind::Random { seed: args.seed },
-        ] {
-            out.push((
-                "groups".into(),
-                w(WagmaOptions {
-                    groups: g,
-                    ..base.clone()
-                }),
-            ));
-        }
-        let mut sizes = vec![2, default_group_size(p), p];
-        sizes.sort_unstable();
-        sizes.dedup();
-        for s in sizes
-            .into_iter()
-            .filter(|&s| s != default_group_size(p) && s <= p)
-        {
-            out.push((
-                "group size".into(),
-                w(WagmaOptions {
-                    group_size: Some(s),
-                    ..base.clone()
-                }),
-            ));
-        }
-        for tau in [Some(1), Some(4), None] {
-            out.push((
-                "tau".into(),
-                w(WagmaOptions {
-                    tau,
-                    ..base.clone()
-                }),
-            ));
-        }
+        out.extend(ablations(args.ranks, args.seed));
+    }
+    Ok(out)
+}
+
+fn seeded(a: Algorithm, seed: u64) -> AlgoConfig {
+    let mut c = AlgoConfig::new(a);
+    c.seed = seed;
+    c
+}
+
+/// The ablations the paper ran at 64 ranks for the image workload, each changing one thing
+/// against the default WAGMA run of the main group.
+fn ablations(p: usize, seed: u64) -> Vec<(String, AlgoConfig)> {
+    let base = WagmaOptions::default();
+    let wagma = |o: WagmaOptions| seeded(Algorithm::Wagma(o), seed);
+    let mut out = Vec::new();
+    // Without group averaging only the global average every tau steps is left: local SGD.
+    if let Some(tau) = base.tau {
         out.push((
-            "combine".into(),
-            w(WagmaOptions {
-                combine: CombineRule::Damped,
-                ..base
+            "no group averaging".into(),
+            seeded(Algorithm::LocalSgd { period: tau }, seed),
+        ));
+    }
+    out.push((
+        "fixed groups".into(),
+        wagma(WagmaOptions {
+            groups: GroupingKind::Fixed,
+            ..base.clone()
+        }),
+    ));
+    let default = default_group_size(p);
+    let mut sizes = vec![(default / 2).max(2), p];
+    sizes.dedup();
+    for s in sizes.into_iter().filter(|&s| s != default && s <= p) {
+        out.push((
+            "group size".into(),
+            wagma(WagmaOptions {
+                group_size: Some(s),
+                ..base.clone()
             }),
         ));
     }
-    Ok(out)
+    out
+}
+
+/// This command as a user would type it: `wagma` wherever the binary lies, and without
+/// `--resume`, which changes nothing in the results.
+fn command_line() -> String {
+    let args = std::env::args().skip(1).filter(|a| a != "--resume");
+    std::iter::once("wagma".to_string())
+        .chain(args)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The summary of a run in `dir` made with exactly `config`, if one finished there. The
+/// configurations are compared as values, so that options added since (with their defaults)
+/// do not make an identical run look different.
+fn finished_run(dir: &Path, config: &TrainConfig) -> Option<Summary> {
+    let earlier: TrainConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("bench-config.json")).ok()?).ok()?;
+    let summary = std::fs::read_to_string(dir.join("summary.json")).ok()?;
+    (earlier == *config)
+        .then(|| serde_json::from_str(&summary).ok())
+        .flatten()
 }
 
 fn read_curve(dir: &Path) -> anyhow::Result<Vec<EvalRecord>> {
@@ -332,7 +353,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ));
         c.validate()?;
         eprint!("[{}/{}] {label} ({group}) ... ", i + 1, plan.len());
-        let mut summary = execute(&mut c, None)?;
+        let config_file = dir.join("bench-config.json");
+        let config = serde_json::to_string_pretty(&c)?;
+        let earlier = args.resume.then(|| finished_run(&dir, &c)).flatten();
+        let reused = earlier.is_some();
+        let mut summary = match earlier {
+            Some(s) => s,
+            None => {
+                // Written after the run, so that an interrupted run is never taken as finished.
+                let _ = std::fs::remove_file(&config_file);
+                let s = execute(&mut c, None)?;
+                std::fs::write(&config_file, &config)
+                    .with_context(|| format!("writing {}", config_file.display()))?;
+                s
+            }
+        };
+        if reused {
+            eprint!("(reused) ");
+        }
         eprintln!(
             "{metric} {:.4} in {:.1} s ({:.0} samples/s; {:.1} s real)",
             summary
@@ -381,7 +419,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let results = Results {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         args,
         machine: machine(),
         metric: metric.to_string(),

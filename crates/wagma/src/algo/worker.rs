@@ -6,10 +6,12 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{AlgoConfig, Algorithm, CombineRule, EagerMode, Order, Scope};
 use super::optim::{LocalOptimizer, OptimizerConfig};
+use crate::Rank;
 use crate::engine::{ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger};
 use crate::error::{Error, Op};
-use crate::exec::Comm;
+use crate::exec::{Comm, Exchanged};
 use crate::payload::{Payload, pool};
+use crate::schedule::chunk;
 use crate::topology::{
     ExponentialGraph, GroupingKind, PairRole, Pairing, default_group_size, ring_neighbors,
 };
@@ -608,6 +610,7 @@ impl<'c> Worker<'c> {
         scope: Scope,
         report: &mut StepReport,
     ) -> Result<(), Error> {
+        let pieces = self.cfg.exchange_pieces;
         match algorithm {
             Algorithm::LocalSgd { period } => {
                 if (t + 1).is_multiple_of(*period) {
@@ -627,7 +630,7 @@ impl<'c> Worker<'c> {
             Algorithm::DPsgd => {
                 let nb = ring_neighbors(self.comm.rank(), p);
                 let own = self.state.pack(scope);
-                let e = self.comm.exchange(t, &nb, &nb, own, 0.0, t + 1).await?;
+                let e = Self::neighbour_exchange(self.comm, pieces, t, &nb, &nb, own, 0.0).await?;
                 self.state
                     .mix(scope, &e.data, 1.0 / (nb.len() + 1) as f32, false);
                 e.data.recycle();
@@ -659,7 +662,8 @@ impl<'c> Worker<'c> {
                     x.scale(share as f32);
                     let out = graph.out_peers(rank, t);
                     let inn = graph.in_peers(rank, t);
-                    let e = self.comm.exchange(t, &out, &inn, x, share, t + 1).await?;
+                    let e = Self::neighbour_exchange(self.comm, pieces, t, &out, &inn, x, share)
+                        .await?;
                     *weight = e.weight;
                     self.state
                         .mix(scope, &e.data, (1.0 / e.weight) as f32, false);
@@ -670,6 +674,49 @@ impl<'c> Worker<'c> {
             Algorithm::AllreduceSgd | Algorithm::EagerSgd { .. } => {}
         }
         Ok(())
+    }
+
+    /// The neighbour exchange after step `t`: the whole buffer at once, or as
+    /// `exchange_pieces` consecutive pieces, each exchanged after the previous one completed
+    /// (the authors' per-tensor chain). Either way the result holds the same sums.
+    async fn neighbour_exchange(
+        comm: &mut Comm,
+        pieces: u32,
+        t: u64,
+        send_to: &[Rank],
+        recv_from: &[Rank],
+        mut data: Payload,
+        weight: f64,
+    ) -> Result<Exchanged, Error> {
+        let pieces = u64::from(pieces.max(1));
+        if pieces == 1 {
+            return comm
+                .exchange(t, send_to, recv_from, data, weight, t + 1)
+                .await;
+        }
+        let len = data.len();
+        let mut sum = Payload::zeros_like(&data, len);
+        let mut total = Exchanged {
+            data: Payload::default(),
+            weight,
+            contributions: Vec::new(),
+        };
+        for k in 0..pieces {
+            let range = chunk(k as usize, pieces as usize, len);
+            // Sequence numbers stay unique and increasing across iterations and pieces.
+            let seq = t * pieces + k;
+            let part = data.view(range.clone());
+            let e = comm
+                .exchange(seq, send_to, recv_from, part, weight, t + 1)
+                .await?;
+            sum.copy_at(range, &e.data);
+            total.weight = e.weight;
+            total.contributions = e.contributions;
+            e.data.recycle();
+        }
+        data.recycle();
+        total.data = sum;
+        Ok(total)
     }
 
     /// Folds a wait-avoiding round's result into the model (WAGMA's combination rules).

@@ -573,6 +573,18 @@ impl Engine {
         // What it sent for operations not started here will never be used; a process that
         // rejoins in its place starts afresh.
         self.unexpected.retain(|(_, from), _| *from != peer);
+        // Only one side of a partition may go on: the one with rank 0 and a strict majority.
+        let alive: Vec<Rank> = (0..self.ranks).filter(|&p| !self.dead[p]).collect();
+        if 2 * alive.len() <= self.ranks || self.dead[0] {
+            let err = Error::NoQuorum {
+                rank: self.rank,
+                lost: peer,
+                alive,
+                ranks: self.ranks,
+            };
+            self.fail(err, out);
+            return;
+        }
         tracing::warn!(
             rank = self.rank,
             peer,

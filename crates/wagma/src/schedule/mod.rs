@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::Rank;
 
+pub(crate) use allreduce::chunk;
 pub use allreduce::{allreduce, recursive_doubling, reduce_scatter_allgather};
 pub use exchange::{activation_cost, exchange, exchange_among, pair_request};
 

@@ -5,7 +5,9 @@
 //! `u32 n`, `n` contributions of `u32 rank, u64 steps`, then the payload: `f32` values, or for a
 //! virtual payload a `u64` length. A body larger than the configured maximum is refused before
 //! anything is allocated, and a payload is read in bounded chunks, so garbage on a port costs
-//! no more memory than the bytes actually sent.
+//! no more memory than the bytes actually sent. A virtual length is bounded like a payload (at
+//! most the maximum body in bytes), so it cannot overflow; the transports decide whether they
+//! carry virtual payloads at all (TCP does not, beyond the empty one of control messages).
 
 use std::io::{Read, Write};
 
@@ -31,7 +33,10 @@ compile_error!(
 pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), TransportError> {
     let n = env.meta.contributions.len();
     let payload_bytes = match &env.data {
-        Payload::Size(_) => 8,
+        Payload::Size(len) => {
+            check_virtual(*len, max)?;
+            8
+        }
         data => data.len() * 4,
     };
     let body = (HEADER_BYTES + n * CONTRIBUTION_BYTES + payload_bytes) as u64;
@@ -142,10 +147,10 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
         }
         let mut b = [0u8; 8];
         exact(r, &mut b)?;
-        Payload::Size(
-            usize::try_from(u64::from_le_bytes(b))
-                .map_err(|_| TransportError::Malformed("virtual length overflows".into()))?,
-        )
+        let len = usize::try_from(u64::from_le_bytes(b))
+            .map_err(|_| TransportError::Malformed("virtual length overflows".into()))?;
+        check_virtual(len, max)?;
+        Payload::Size(len)
     } else {
         if !payload_bytes.is_multiple_of(4) {
             return Err(TransportError::Malformed(format!(
@@ -182,6 +187,15 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
         },
         data,
     }))
+}
+
+/// A virtual payload of `len` values may stand for no more bytes than a frame may hold.
+fn check_virtual(len: usize, max: u64) -> Result<(), TransportError> {
+    let size = (len as u64).saturating_mul(4);
+    if size > max {
+        return Err(TransportError::FrameTooLarge { size, max });
+    }
+    Ok(())
 }
 
 /// Reads until `buf` is full or the stream ends; returns the bytes read.
@@ -266,7 +280,7 @@ mod tests {
     fn round_trip() {
         for data in [
             Payload::Data(vec![1.5, -2.0, 3.25]),
-            Payload::Size(1 << 30),
+            Payload::Size(1 << 18),
             Payload::Data(vec![]),
         ] {
             let env = sample(data);
@@ -276,6 +290,24 @@ mod tests {
             assert_eq!(back, env);
         }
         assert!(read_frame(&mut [].as_slice(), 10).unwrap().is_none());
+    }
+
+    #[test]
+    fn virtual_lengths_are_bounded_like_payloads() {
+        let huge = sample(Payload::Size(usize::MAX));
+        assert!(matches!(
+            write_frame(&mut Vec::new(), &huge, 1 << 20),
+            Err(TransportError::FrameTooLarge { .. })
+        ));
+        // A peer that declares a virtual length beyond the maximum is refused.
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &sample(Payload::Size(4)), 1 << 20).unwrap();
+        let at = buf.len() - 8;
+        buf[at..].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(
+            read_frame(&mut buf.as_slice(), 1 << 20),
+            Err(TransportError::FrameTooLarge { .. })
+        ));
     }
 
     #[test]

@@ -122,6 +122,13 @@ impl MpiTransport {
                 message: format!("header claims to come from rank {}", env.from),
             });
         }
+        if *flag != FOLLOWS && !env.data.is_empty() {
+            // Lengths without values would turn this job's sums into no-ops.
+            return Err(TransportError::Peer {
+                peer: from,
+                message: "sent a virtual payload, which only simulations use".into(),
+            });
+        }
         if *flag == FOLLOWS {
             let n = env.data.len();
             if (n as u64).saturating_mul(4) > self.max_frame {

@@ -8,17 +8,21 @@
 //! logged. Messages are length-prefixed frames with a checked maximum size ([`super::frame`]);
 //! a reader thread per connection feeds the rank's inbox, the engine thread writes.
 
+mod gate;
 mod handshake;
 mod rejoin;
+mod rendezvous;
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
 pub use handshake::Credentials;
+use handshake::{Deadlined, Session};
 
 use super::frame::{read_frame, write_frame};
 use super::{Envelope, Incoming, Lost, Transport};
@@ -41,7 +45,8 @@ pub struct TcpConfig {
     pub credentials: Credentials,
     /// Limit for the whole start-up (rendezvous and all connections).
     pub connect_timeout: Duration,
-    /// Limit for one blocking write to a peer.
+    /// Limit for one blocking write to a peer. The engine sends no heartbeats while a write
+    /// blocks, so keep it at most the job's timeout (the trainer sets it to `--timeout`).
     pub io_timeout: Duration,
     /// Largest frame body accepted or sent.
     pub max_frame_bytes: u64,
@@ -56,6 +61,10 @@ pub struct TcpConfig {
     /// Rank 0 serves the rendezvous on this inherited listening socket instead of binding
     /// one (`wagma launch` binds it, so the port is never free for another process to take).
     pub rendezvous_fd: Option<i32>,
+    /// Run with an empty secret although the job listens beyond loopback, where anyone who
+    /// can reach a listener could join it (a warning is logged). Off by default: such a job
+    /// refuses to start without a secret.
+    pub allow_empty_secret: bool,
 }
 
 /// Environment variables read by [`TcpConfig::from_env`].
@@ -68,8 +77,17 @@ pub mod env {
     pub const RENDEZVOUS: &str = "WAGMA_RENDEZVOUS";
     /// Job id (default `wagma`).
     pub const JOB_ID: &str = "WAGMA_JOB_ID";
-    /// Shared secret (default empty).
+    /// Shared secret (default empty, which only a job on loopback accepts).
     pub const SECRET: &str = "WAGMA_SECRET";
+    /// A file holding the shared secret, readable by its owner only (mode 0600), instead of
+    /// [`SECRET`].
+    pub const SECRET_FILE: &str = "WAGMA_SECRET_FILE";
+    /// Seconds one blocking write to a peer may take (default 60); see
+    /// [`super::TcpConfig::io_timeout`].
+    pub const IO_TIMEOUT: &str = "WAGMA_IO_TIMEOUT_S";
+    /// `1`: run with an empty secret beyond loopback (see
+    /// [`super::TcpConfig::allow_empty_secret`]).
+    pub const ALLOW_EMPTY_SECRET: &str = "WAGMA_ALLOW_EMPTY_SECRET";
     /// Address to listen on for peers (optional).
     pub const BIND: &str = "WAGMA_BIND";
     /// File where rank 0 writes the rendezvous address it bound (optional; see
@@ -101,12 +119,14 @@ impl TcpConfig {
             accept_rejoins: false,
             rendezvous_file: None,
             rendezvous_fd: None,
+            allow_empty_secret: false,
         }
     }
 
     /// Reads the rank, world size and rendezvous from the launcher's environment (see
     /// [`super::discover`]: wagma, Open MPI, PMI, SLURM or torchrun variables), and
-    /// `WAGMA_JOB_ID`, `WAGMA_SECRET` and `WAGMA_BIND`.
+    /// `WAGMA_JOB_ID`, `WAGMA_SECRET` (or `WAGMA_SECRET_FILE`), `WAGMA_ALLOW_EMPTY_SECRET`,
+    /// `WAGMA_IO_TIMEOUT_S` and `WAGMA_BIND`.
     pub fn from_env() -> Result<TcpConfig, ConfigError> {
         let get = |k: &str| std::env::var(k).ok();
         let d = super::discover::discover_env()?.ok_or(ConfigError::Invalid {
@@ -123,14 +143,27 @@ impl TcpConfig {
         })?;
         let credentials = Credentials {
             job_id: get(env::JOB_ID).unwrap_or_else(|| "wagma".into()),
-            secret: get(env::SECRET).unwrap_or_default().into_bytes(),
+            secret: secret_from_env()?,
         };
         let mut cfg = TcpConfig::new(d.rank, d.world, rendezvous, credentials);
+        cfg.allow_empty_secret = get(env::ALLOW_EMPTY_SECRET).is_some_and(|v| v.trim() == "1");
         if let Some(b) = get(env::BIND) {
             cfg.bind = Some(b.parse().map_err(|_| ConfigError::Invalid {
                 what: env::BIND,
                 detail: format!("{b:?} is not an IP address"),
             })?);
+        }
+        if let Some(t) = get(env::IO_TIMEOUT) {
+            cfg.io_timeout = t
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| ConfigError::Invalid {
+                    what: env::IO_TIMEOUT,
+                    detail: format!("{t:?} is not a positive number of seconds"),
+                })?;
         }
         cfg.rendezvous_file = get(env::RENDEZVOUS_FILE).map(Into::into);
         if let Some(fd) = get(env::RENDEZVOUS_FD) {
@@ -158,6 +191,81 @@ impl TcpConfig {
     }
 }
 
+/// The secret from `WAGMA_SECRET` or from the file `WAGMA_SECRET_FILE` names (one of them;
+/// the file readable by its owner only). Surrounding whitespace of the file is not part of it.
+fn secret_from_env() -> Result<Vec<u8>, ConfigError> {
+    match (
+        std::env::var(env::SECRET).ok(),
+        std::env::var_os(env::SECRET_FILE),
+    ) {
+        (Some(_), Some(_)) => Err(ConfigError::Invalid {
+            what: env::SECRET_FILE,
+            detail: format!(
+                "set either {} or {}, not both",
+                env::SECRET,
+                env::SECRET_FILE
+            ),
+        }),
+        (Some(s), None) => Ok(s.into_bytes()),
+        (None, Some(path)) => read_secret_file(std::path::Path::new(&path)),
+        (None, None) => Ok(Vec::new()),
+    }
+}
+
+/// Reads a secret file, refusing one that others may read or write.
+pub fn read_secret_file(path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
+    let invalid = |detail: String| ConfigError::Invalid {
+        what: env::SECRET_FILE,
+        detail,
+    };
+    let meta = std::fs::metadata(path)
+        .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(invalid(format!(
+                "{} has mode {mode:o}: others may read it; make it 600 (chmod 600)",
+                path.display()
+            )));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = meta;
+    let text =
+        std::fs::read(path).map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+    Ok(text.trim_ascii().to_vec())
+}
+
+/// An empty secret lets anyone who can reach a listener join the job: accepted on loopback,
+/// elsewhere only when the user opted out of it.
+fn check_secret(cfg: &TcpConfig, addrs: &[IpAddr]) -> Result<(), TransportError> {
+    if !cfg.credentials.secret.is_empty() {
+        return Ok(());
+    }
+    let Some(exposed) = addrs.iter().find(|a| !a.is_loopback()) else {
+        return Ok(());
+    };
+    if cfg.allow_empty_secret {
+        tracing::warn!(
+            rank = cfg.rank,
+            %exposed,
+            "no secret: anyone who can reach {exposed} can join this job"
+        );
+        return Ok(());
+    }
+    Err(TransportError::Rendezvous(format!(
+        "rank {}: no secret is set and the job listens on {exposed}, beyond loopback, where \
+         anyone who can reach it could join; set {} (or {} to a file of mode 0600) on every \
+         rank, or set {}=1 to run without one",
+        cfg.rank,
+        env::SECRET,
+        env::SECRET_FILE,
+        env::ALLOW_EMPTY_SECRET
+    )))
+}
+
 /// One rank's connections to every peer.
 pub struct TcpTransport {
     rank: Rank,
@@ -178,6 +286,11 @@ impl Transport for TcpTransport {
                 peer: to,
                 message: format!("rank {} has no connection to it", self.rank),
             })?;
+        if env.data.is_virtual() && !env.data.is_empty() {
+            return Err(TransportError::Malformed(
+                "a virtual payload exists only in simulations; TCP carries values".into(),
+            ));
+        }
         write_frame(w, &env, self.max_frame).map_err(|e| match e {
             TransportError::FrameTooLarge { .. } => e,
             other => TransportError::Peer {
@@ -243,72 +356,44 @@ fn connect_retry(addr: SocketAddr, deadline: Instant) -> Result<TcpStream, Trans
     }
 }
 
-fn prepare(s: &TcpStream, deadline: Instant) -> Result<(), TransportError> {
-    let io = |e: std::io::Error| TransportError::io("configuring a socket", &e);
-    s.set_nodelay(true).map_err(io)?;
-    s.set_read_timeout(Some(left(deadline))).map_err(io)?;
-    s.set_write_timeout(Some(left(deadline))).map_err(io)
+fn prepare(s: &TcpStream) -> Result<(), TransportError> {
+    s.set_nodelay(true)
+        .map_err(|e| TransportError::io("configuring a socket", &e))
 }
 
-/// Accepts one waiting connection (the listener is non-blocking) and runs the handshake;
-/// `None` when nobody waits or the connection failed the handshake (refused and logged).
-fn accept_one(
-    listener: &TcpListener,
+/// Keepalive of established connections: first probe after this much silence...
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// ...then one probe this often...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// ...and the connection is dead after this many unanswered probes.
+#[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// How often a listener looks for callers during start-up.
+const START_POLL: Duration = Duration::from_millis(2);
+/// How long a caller waits before calling again a listener that dropped it.
+const RECALL: Duration = Duration::from_millis(50);
+
+/// Connects to `addr` and authenticates as rank `me`, calling again until `deadline` while the
+/// connection fails (the listener may not be up yet, or be busy with other callers); a
+/// refusal is final.
+fn call(
+    addr: SocketAddr,
     me: Rank,
     cred: &Credentials,
     deadline: Instant,
-) -> Result<Option<(Rank, TcpStream)>, TransportError> {
-    match listener.accept() {
-        Ok((mut s, addr)) => {
-            let _ = s.set_nonblocking(false);
-            prepare(&s, deadline.min(Instant::now() + Duration::from_secs(10)))?;
-            match handshake::accept(&mut s, me, cred) {
-                Ok(peer) => Ok(Some((peer, s))),
-                Err(e) => {
-                    tracing::warn!(rank = me, %addr, error = %e, "refused a connection");
-                    Ok(None)
-                }
+) -> Result<(Session, TcpStream), TransportError> {
+    loop {
+        let st = connect_retry(addr, deadline)?;
+        prepare(&st)?;
+        match handshake::connect(&mut Deadlined::new(&st, deadline), me, cred) {
+            Ok(session) => return Ok((session, st)),
+            Err(TransportError::Io { .. }) if Instant::now() + RECALL < deadline => {
+                std::thread::sleep(RECALL);
             }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
-        Err(e) => Err(TransportError::io("accepting", &e)),
-    }
-}
-
-/// Accepts connections until `want` peers passed the handshake or `deadline`. Connections that
-/// fail the handshake are refused, logged and do not count.
-fn accept_peers(
-    listener: &TcpListener,
-    me: Rank,
-    cred: &Credentials,
-    deadline: Instant,
-    mut want: impl FnMut(Rank) -> bool,
-    count: usize,
-) -> Result<Vec<(Rank, TcpStream)>, TransportError> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| TransportError::io("listener", &e))?;
-    let mut got = Vec::with_capacity(count);
-    while got.len() < count {
-        if Instant::now() >= deadline {
-            return Err(TransportError::Rendezvous(format!(
-                "rank {me}: only {} of {count} peers connected in time",
-                got.len()
-            )));
-        }
-        match accept_one(listener, me, cred, deadline)? {
-            Some((peer, s)) if want(peer) => got.push((peer, s)),
-            Some((peer, _)) => {
-                tracing::warn!(
-                    rank = me,
-                    peer,
-                    "refused a connection claiming an unexpected rank"
-                );
-            }
-            None => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) => return Err(e),
         }
     }
-    Ok(got)
 }
 
 /// The listening socket a launcher handed this process as descriptor `fd` (taken once).
@@ -396,6 +481,7 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
             probe.ip()
         }
     };
+    check_secret(cfg, &[rdv.ip(), bind_ip])?;
     let listener = TcpListener::bind((bind_ip, 0))
         .map_err(|e| TransportError::io(format!("binding {bind_ip}"), &e))?;
     let my_addr = listener
@@ -408,8 +494,8 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
                 "rank 0 serves the rendezvous and cannot rejoin a running job".into(),
             ));
         }
-        (Some(l), false) => serve_rendezvous(l, cfg, my_addr, deadline)?,
-        (None, rejoin) => register(rdv, cfg, my_addr, deadline, rejoin)?,
+        (Some(l), false) => rendezvous::serve(l, cfg, my_addr, deadline)?,
+        (None, rejoin) => rendezvous::register(rdv, cfg, my_addr, deadline, rejoin)?,
     };
     let streams = if cfg.rejoin {
         rejoin::connect_to_all(cfg, &table, deadline)?
@@ -422,6 +508,7 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         inbox,
         io_timeout: cfg.io_timeout,
         max_frame: cfg.max_frame_bytes,
+        connected: (0..p).map(|_| AtomicBool::new(false)).collect(),
     };
     let mut writers = Vec::with_capacity(p);
     for (peer, st) in streams.into_iter().enumerate() {
@@ -435,10 +522,10 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         });
     }
     if cfg.accept_rejoins {
-        rejoin::serve_peers(listener, cfg.credentials.clone(), p, link, &adopted)?;
         if let Some(l) = rdv_listener {
-            rejoin::serve_table(l, cfg.credentials.clone(), table, &adopted)?;
+            rejoin::serve_table(&l, cfg.credentials.clone(), table, link.clone(), &adopted)?;
         }
+        rejoin::serve_peers(&listener, cfg.credentials.clone(), p, link, &adopted)?;
     }
     Ok(TcpTransport {
         rank: me,
@@ -457,38 +544,48 @@ fn connect_pairs(
     deadline: Instant,
 ) -> Result<Vec<Option<TcpStream>>, TransportError> {
     let (me, p) = (cfg.rank, cfg.world);
-    // Accept from higher ranks on a helper thread while connecting to lower ones.
-    let (tx, rx) = mpsc::channel();
-    let cred = cfg.credentials.clone();
-    std::thread::scope(|s| {
-        s.spawn(move || {
-            let r = accept_peers(
-                listener,
-                me,
-                &cred,
-                deadline,
-                |peer| peer > me && peer < p,
-                p - 1 - me,
+    // Higher ranks are accepted in the background while this rank calls the lower ones.
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let _gate = gate::open(
+        listener,
+        me,
+        cfg.credentials.clone(),
+        START_POLL,
+        Some(deadline),
+        || true,
+        move |c: gate::Caller| {
+            let _ = tx.send((c.session.peer, c.stream));
+        },
+    )?;
+    let mut streams: Vec<Option<TcpStream>> = (0..p).map(|_| None).collect();
+    for (peer, addr) in table.iter().enumerate().take(me) {
+        streams[peer] = Some(connect_to(*addr, peer, cfg, deadline)?);
+    }
+    let higher = p - 1 - me;
+    let mut accepted = 0;
+    while accepted < higher {
+        let (peer, st) = rx.recv_deadline(deadline).map_err(|_| {
+            TransportError::Rendezvous(format!(
+                "rank {me}: only {accepted} of {higher} higher ranks connected in time"
+            ))
+        })?;
+        if peer <= me || peer >= p {
+            tracing::warn!(
+                rank = me,
+                peer,
+                "refused a connection claiming an unexpected rank"
             );
-            let _ = tx.send(r);
-        });
-        let mut streams: Vec<Option<TcpStream>> = (0..p).map(|_| None).collect();
-        for (peer, addr) in table.iter().enumerate().take(me) {
-            streams[peer] = Some(connect_to(*addr, peer, cfg, deadline)?);
+            continue;
         }
-        let accepted = rx
-            .recv()
-            .map_err(|_| TransportError::Rendezvous("the accepting thread died".into()))??;
-        for (peer, st) in accepted {
-            if streams[peer].is_some() {
-                return Err(TransportError::Handshake(format!(
-                    "rank {peer} connected twice"
-                )));
-            }
-            streams[peer] = Some(st);
+        if streams[peer].is_some() {
+            return Err(TransportError::Handshake(format!(
+                "rank {peer} connected twice"
+            )));
         }
-        Ok(streams)
-    })
+        streams[peer] = Some(st);
+        accepted += 1;
+    }
+    Ok(streams)
 }
 
 /// Connects to rank `peer` at `addr` and authenticates both ends.
@@ -498,12 +595,11 @@ fn connect_to(
     cfg: &TcpConfig,
     deadline: Instant,
 ) -> Result<TcpStream, TransportError> {
-    let mut st = connect_retry(addr, deadline)?;
-    prepare(&st, deadline)?;
-    let got = handshake::connect(&mut st, cfg.rank, &cfg.credentials)?;
-    if got != peer {
+    let (session, st) = call(addr, cfg.rank, &cfg.credentials, deadline)?;
+    if session.peer != peer {
         return Err(TransportError::Handshake(format!(
-            "expected rank {peer} at {addr}, found rank {got}"
+            "expected rank {peer} at {addr}, found rank {}",
+            session.peer
         )));
     }
     Ok(st)
@@ -516,195 +612,77 @@ struct Link {
     inbox: Sender<Incoming>,
     io_timeout: Duration,
     max_frame: u64,
+    /// Per peer: whether a reader delivers from it now.
+    connected: Arc<[AtomicBool]>,
 }
 
 impl Link {
     /// Splits an authenticated connection into its write half and its read half.
     fn split(&self, st: TcpStream) -> Result<(BufWriter<TcpStream>, TcpStream), TransportError> {
         let io = |e: std::io::Error| TransportError::io("configuring a connection", &e);
+        // Reads block for as long as a peer has nothing to say, so a peer whose host vanished
+        // (no FIN, no RST) is found by keepalive probes instead: about 25 s of silence from
+        // the kernel, after which the read fails and the peer is reported lost.
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(KEEPALIVE_IDLE)
+            .with_interval(KEEPALIVE_INTERVAL);
+        #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
+        let keepalive = keepalive.with_retries(KEEPALIVE_RETRIES);
+        socket2::SockRef::from(&st)
+            .set_tcp_keepalive(&keepalive)
+            .map_err(io)?;
         st.set_read_timeout(None).map_err(io)?;
         st.set_write_timeout(Some(self.io_timeout)).map_err(io)?;
         let reader = st.try_clone().map_err(io)?;
         Ok((BufWriter::with_capacity(64 * 1024, st), reader))
     }
 
-    /// Starts the thread that delivers what `peer` sends on `reader` into the inbox.
+    /// True while a reader delivers what `peer` sends: the connection to it is not lost.
+    fn is_connected(&self, peer: Rank) -> bool {
+        self.connected
+            .get(peer)
+            .is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
+    /// Starts the thread that delivers what `peer` sends on `reader` into the inbox, until
+    /// the connection is lost.
     fn read(&self, peer: Rank, reader: TcpStream) -> Result<(), TransportError> {
-        spawn_reader(self.me, peer, reader, self.inbox.clone(), self.max_frame)
-    }
-}
-
-fn spawn_reader(
-    me: Rank,
-    peer: Rank,
-    stream: TcpStream,
-    inbox: Sender<Incoming>,
-    max: u64,
-) -> Result<(), TransportError> {
-    std::thread::Builder::new()
-        .name(format!("wagma-tcp-{me}<-{peer}"))
-        .spawn(move || {
-            let mut r = BufReader::with_capacity(256 * 1024, stream);
-            loop {
-                let reason = match read_frame(&mut r, max) {
-                    Ok(Some(env)) if env.from == peer => {
-                        if inbox.send(Ok(env)).is_err() {
-                            return;
+        let (me, max, inbox) = (self.me, self.max_frame, self.inbox.clone());
+        let connected = Arc::clone(&self.connected);
+        if let Some(c) = connected.get(peer) {
+            c.store(true, Ordering::Release);
+        }
+        std::thread::Builder::new()
+            .name(format!("wagma-tcp-{me}<-{peer}"))
+            .spawn(move || {
+                let mut r = BufReader::with_capacity(256 * 1024, reader);
+                let reason = loop {
+                    match read_frame(&mut r, max) {
+                        // Lengths without values would turn this job's sums into no-ops:
+                        // only a control message's empty one is real.
+                        Ok(Some(env)) if env.data.is_virtual() && !env.data.is_empty() => {
+                            break "a frame with a virtual payload".to_string();
                         }
-                        continue;
+                        Ok(Some(env)) if env.from == peer => {
+                            if inbox.send(Ok(env)).is_err() {
+                                return;
+                            }
+                        }
+                        Ok(Some(env)) => {
+                            break format!("frame claims to come from rank {}", env.from);
+                        }
+                        Ok(None) => break "connection closed".to_string(),
+                        Err(e) => break e.to_string(),
                     }
-                    Ok(Some(env)) => format!("frame claims to come from rank {}", env.from),
-                    Ok(None) => "connection closed".to_string(),
-                    Err(e) => e.to_string(),
                 };
+                // Marked lost before the engine hears of it: a rejoin it then expects is
+                // accepted.
+                if let Some(c) = connected.get(peer) {
+                    c.store(false, Ordering::Release);
+                }
                 let _ = inbox.send(Err(Lost { peer, reason }));
-                return;
-            }
-        })
-        .map(|_| ())
-        .map_err(|e| TransportError::io("starting a reader thread", &e))
-}
-
-fn encode_addr(a: &SocketAddr) -> Vec<u8> {
-    a.to_string().into_bytes()
-}
-
-fn decode_addr(b: &[u8]) -> Result<SocketAddr, TransportError> {
-    std::str::from_utf8(b)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| TransportError::Rendezvous("malformed address in the rendezvous".into()))
-}
-
-/// Set in a registration's world size by a process that rejoins a running job.
-const REJOIN_FLAG: u32 = 1 << 31;
-
-/// A registration with rank 0: the world size the registering rank believes in, whether it
-/// rejoins a running job, and the address it listens on.
-struct Registration {
-    world: usize,
-    rejoin: bool,
-    addr: SocketAddr,
-}
-
-fn registration(world: usize, rejoin: bool, addr: &SocketAddr) -> Vec<u8> {
-    let flag = if rejoin { REJOIN_FLAG } else { 0 };
-    let mut msg = (world as u32 | flag).to_le_bytes().to_vec();
-    msg.extend_from_slice(&encode_addr(addr));
-    msg
-}
-
-fn read_registration(s: &mut TcpStream, peer: Rank) -> Result<Registration, TransportError> {
-    let msg = handshake::read_msg(s, 1024)?;
-    let (Some(word), Some(addr)) = (msg.get(..4), msg.get(4..)) else {
-        return Err(TransportError::Rendezvous(format!(
-            "rank {peer} sent a malformed registration"
-        )));
-    };
-    let word = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
-    Ok(Registration {
-        world: (word & !REJOIN_FLAG) as usize,
-        rejoin: word & REJOIN_FLAG != 0,
-        addr: decode_addr(addr)?,
-    })
-}
-
-fn encode_table(table: &[SocketAddr]) -> Vec<u8> {
-    let mut body = Vec::new();
-    for a in table {
-        let e = encode_addr(a);
-        body.push(e.len() as u8);
-        body.extend_from_slice(&e);
+            })
+            .map(|_| ())
+            .map_err(|e| TransportError::io("starting a reader thread", &e))
     }
-    body
-}
-
-/// Rank 0: collects every rank's address and sends the table back.
-fn serve_rendezvous(
-    l: &TcpListener,
-    cfg: &TcpConfig,
-    mine: SocketAddr,
-    deadline: Instant,
-) -> Result<Vec<SocketAddr>, TransportError> {
-    let p = cfg.world;
-    let mut table: Vec<Option<SocketAddr>> = vec![None; p];
-    table[0] = Some(mine);
-    let mut conns = Vec::new();
-    while conns.len() < p - 1 {
-        let mut batch = accept_peers(l, 0, &cfg.credentials, deadline, |r| r > 0 && r < p, 1)?;
-        let Some((peer, mut s)) = batch.pop() else {
-            continue;
-        };
-        let reg = read_registration(&mut s, peer)?;
-        if reg.rejoin {
-            tracing::warn!(peer, "refused a rejoin while the job is still starting");
-            let _ = handshake::write_msg(&mut s, b"!the job is still starting");
-            continue;
-        }
-        if reg.world != p {
-            let err = format!(
-                "rank {peer} believes the job has {} ranks, rank 0 believes {p}",
-                reg.world
-            );
-            let _ = handshake::write_msg(&mut s, format!("!{err}").as_bytes());
-            return Err(TransportError::Rendezvous(err));
-        }
-        if table[peer].is_some() {
-            let _ = handshake::write_msg(&mut s, b"!duplicate rank");
-            return Err(TransportError::Rendezvous(format!(
-                "two processes claim rank {peer}"
-            )));
-        }
-        table[peer] = Some(reg.addr);
-        conns.push(s);
-    }
-    let table: Vec<SocketAddr> = table.into_iter().flatten().collect();
-    let body = encode_table(&table);
-    for mut s in conns {
-        handshake::write_msg(&mut s, &body)?;
-    }
-    Ok(table)
-}
-
-/// Ranks above 0: register with rank 0 and receive the table.
-fn register(
-    rdv: SocketAddr,
-    cfg: &TcpConfig,
-    mine: SocketAddr,
-    deadline: Instant,
-    rejoin: bool,
-) -> Result<Vec<SocketAddr>, TransportError> {
-    let mut s = connect_retry(rdv, deadline)?;
-    prepare(&s, deadline)?;
-    let peer = handshake::connect(&mut s, cfg.rank, &cfg.credentials)?;
-    if peer != 0 {
-        return Err(TransportError::Rendezvous(format!(
-            "the rendezvous answered as rank {peer}"
-        )));
-    }
-    handshake::write_msg(&mut s, &registration(cfg.world, rejoin, &mine))?;
-    let body = handshake::read_msg(&mut s, 64 * cfg.world + 64)?;
-    if body.first() == Some(&b'!') {
-        return Err(TransportError::Rendezvous(
-            String::from_utf8_lossy(&body[1..]).into_owned(),
-        ));
-    }
-    let mut table = Vec::with_capacity(cfg.world);
-    let mut at = 0;
-    while at < body.len() {
-        let n = body[at] as usize;
-        let a = body
-            .get(at + 1..at + 1 + n)
-            .ok_or_else(|| TransportError::Rendezvous("truncated address table".into()))?;
-        table.push(decode_addr(a)?);
-        at += 1 + n;
-    }
-    if table.len() != cfg.world {
-        return Err(TransportError::Rendezvous(format!(
-            "table has {} addresses for {} ranks",
-            table.len(),
-            cfg.world
-        )));
-    }
-    Ok(table)
 }

@@ -10,13 +10,13 @@
 use std::io::BufWriter;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::{
-    Credentials, Link, TcpConfig, accept_one, connect_to, encode_table, handshake,
-    read_registration,
-};
+use super::gate::{self, Caller};
+use super::handshake::Deadlined;
+use super::rendezvous::{read_registration, send_refusal, send_table};
+use super::{Credentials, Link, TcpConfig, connect_to};
 use crate::Rank;
 use crate::error::TransportError;
 
@@ -43,9 +43,7 @@ impl Adopted {
 
     fn lock(&self) -> MutexGuard<'_, Vec<Option<Writer>>> {
         // A thread that panicked while holding the lock left whole `Option`s behind.
-        self.writers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.writers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn put(&self, peer: Rank, w: Writer) {
@@ -70,67 +68,54 @@ impl Adopted {
     }
 }
 
-/// Runs `serve` on a background thread for as long as `alive` has other owners (the
-/// transport); `serve` answers whether it handled a connection (then it is called again at
-/// once) or found none waiting.
-fn background(
-    name: String,
-    listener: TcpListener,
-    alive: &Arc<Adopted>,
-    mut serve: impl FnMut(&TcpListener, &Adopted) -> Result<bool, TransportError> + Send + 'static,
-) -> Result<(), TransportError> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| TransportError::io("listener", &e))?;
-    let weak = Arc::downgrade(alive);
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || {
-            while let Some(adopted) = weak.upgrade() {
-                let served = serve(&listener, &adopted);
-                drop(adopted);
-                match served {
-                    Ok(true) => continue,
-                    Ok(false) => {}
-                    // One failed connection attempt must not close the door to the next.
-                    Err(e) => tracing::warn!(error = %e, "a connection attempt failed"),
-                }
-                std::thread::sleep(LISTEN_POLL);
-            }
-        })
-        .map(|_| ())
-        .map_err(|e| TransportError::io("starting a listener thread", &e))
+/// True for as long as the transport that owns `adopted` lives.
+fn while_alive(adopted: &Arc<Adopted>) -> impl Fn() -> bool + Send + 'static {
+    let weak = Arc::downgrade(adopted);
+    move || weak.strong_count() > 0
 }
 
-/// Every rank: accepts restarted peers on `listener` for as long as the transport lives.
+/// Every rank: accepts restarted peers on `listener` for as long as the transport lives. Only
+/// a rank whose connection this rank has lost may come back: a live rank cannot be replaced.
 pub(super) fn serve_peers(
-    listener: TcpListener,
+    listener: &TcpListener,
     cred: Credentials,
     ranks: usize,
     link: Link,
     adopted: &Arc<Adopted>,
 ) -> Result<(), TransportError> {
     let me = link.me;
-    background(
-        format!("wagma-tcp-{me}-rejoins"),
+    let target = Arc::downgrade(adopted);
+    let gate = gate::open(
         listener,
-        adopted,
-        move |l, adopted| {
-            let far = Instant::now() + Duration::from_secs(10);
-            let Some((peer, st)) = accept_one(l, me, &cred, far)? else {
-                return Ok(false);
-            };
+        me,
+        cred,
+        LISTEN_POLL,
+        None,
+        while_alive(adopted),
+        move |c: Caller| {
+            let peer = c.session.peer;
             if peer >= ranks || peer == me {
                 tracing::warn!(
                     rank = me,
                     peer,
-                    "refused a connection claiming an unexpected rank"
+                    "refused a caller claiming an unexpected rank"
                 );
-                return Ok(true);
+                return;
             }
+            if link.is_connected(peer) {
+                tracing::warn!(
+                    rank = me,
+                    peer,
+                    "refused a rejoin of rank {peer}, which is alive"
+                );
+                return;
+            }
+            let Some(adopted) = target.upgrade() else {
+                return;
+            };
             // The write half is in place before anything the peer sends is read: an engine
             // that has heard from the new process answers it on the new connection.
-            let opened = link.split(st).and_then(|(w, r)| {
+            let opened = link.split(c.stream).and_then(|(w, r)| {
                 adopted.put(peer, w);
                 link.read(peer, r)
             });
@@ -138,60 +123,76 @@ pub(super) fn serve_peers(
                 Ok(()) => tracing::info!(rank = me, peer, "rank {peer} reconnected"),
                 Err(e) => tracing::warn!(rank = me, peer, error = %e, "a reconnection failed"),
             }
-            Ok(true)
         },
-    )
+    )?;
+    // The gate closes when the transport goes.
+    gate.detach();
+    Ok(())
 }
 
-/// Rank 0: answers restarted ranks' registrations with the current address table.
+/// Rank 0: answers restarted ranks' registrations with the current address table. A rank
+/// may rejoin only once rank 0 has lost its connection, and only from the address it
+/// registers (checked against where its connection comes from).
 pub(super) fn serve_table(
-    listener: TcpListener,
+    listener: &TcpListener,
     cred: Credentials,
-    mut table: Vec<SocketAddr>,
+    table: Vec<SocketAddr>,
+    link: Link,
     adopted: &Arc<Adopted>,
 ) -> Result<(), TransportError> {
-    background(
-        "wagma-tcp-0-rendezvous".into(),
+    let table = Mutex::new(table);
+    let gate = gate::open(
         listener,
-        adopted,
-        move |l, _| {
-            let far = Instant::now() + Duration::from_secs(10);
-            let Some((peer, mut st)) = accept_one(l, 0, &cred, far)? else {
-                return Ok(false);
-            };
-            let answer = match read_registration(&mut st, peer) {
+        0,
+        cred,
+        LISTEN_POLL,
+        None,
+        while_alive(adopted),
+        move |mut c: Caller| {
+            let peer = c.session.peer;
+            let mut d = Deadlined::new(&c.stream, c.deadline);
+            let reg = read_registration(&mut c.session, &mut d);
+            let mut table = table.lock().unwrap_or_else(PoisonError::into_inner);
+            let refusal = match &reg {
+                Err(e) => Some(e.to_string()),
                 Ok(reg) if !reg.rejoin => {
-                    Err("the job is already running; start with rejoin".into())
+                    Some("the job is already running; start with rejoin".into())
                 }
                 Ok(reg) if reg.world != table.len() || peer == 0 || peer >= table.len() => {
-                    Err(format!(
+                    Some(format!(
                         "rank {peer} of {} ranks does not fit this job of {}",
                         reg.world,
                         table.len()
                     ))
                 }
-                Ok(reg) => {
-                    table[peer] = reg.addr;
-                    Ok(encode_table(&table))
-                }
-                Err(e) => Err(e.to_string()),
+                Ok(_) if link.is_connected(peer) => Some(format!(
+                    "rank {peer} is alive: only a rank the job lost may rejoin"
+                )),
+                Ok(reg) if reg.addr.ip() != c.addr.ip() => Some(format!(
+                    "rank {peer} registers {} but calls from {}",
+                    reg.addr,
+                    c.addr.ip()
+                )),
+                Ok(_) => None,
             };
-            let body = match answer {
-                Ok(body) => {
+            match (refusal, reg) {
+                (None, Ok(reg)) => {
                     tracing::info!(peer, "rank {peer} asks to rejoin");
-                    body
+                    table[peer] = reg.addr;
+                    if let Err(e) = send_table(&mut c.session, &mut d, &table) {
+                        tracing::warn!(peer, error = %e, "could not answer a registration");
+                    }
                 }
-                Err(why) => {
+                (why, _) => {
+                    let why = why.unwrap_or_default();
                     tracing::warn!(peer, "refused a registration: {why}");
-                    format!("!{why}").into_bytes()
+                    send_refusal(&mut c.session, &mut d, &why);
                 }
-            };
-            if let Err(e) = handshake::write_msg(&mut st, &body) {
-                tracing::warn!(peer, error = %e, "could not answer a registration");
             }
-            Ok(true)
         },
-    )
+    )?;
+    gate.detach();
+    Ok(())
 }
 
 /// Joiner: connects to every peer in `table` that answers; the others are left out (the
