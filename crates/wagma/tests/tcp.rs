@@ -507,3 +507,45 @@ fn a_secret_file_others_can_read_is_refused() {
         b"s3cret"
     );
 }
+
+#[test]
+fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
+    use wagma::transport::Transport;
+    let cred = Credentials {
+        job_id: "tagged".into(),
+        secret: b"tagged-secret".to_vec(),
+    };
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(30);
+        c.frame_integrity = true;
+        c
+    };
+    let dir = TempDir::new("tcp-tagged");
+    let (tx0, rx0) = crossbeam_channel::unbounded();
+    let file = dir.path().join("rendezvous");
+    let mut c0 = config(0, "127.0.0.1:0");
+    c0.rendezvous_file = Some(file.clone());
+    let rank0 = std::thread::spawn(move || wagma::transport::tcp::connect(&c0, tx0));
+    let rdv = await_rendezvous(&file, || None);
+    let (tx1, _rx1) = crossbeam_channel::unbounded();
+    let mut t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
+    let _t0 = rank0.join().unwrap().unwrap();
+    let recv = || {
+        rx0.recv_timeout(Duration::from_secs(10))
+            .expect("a delivery")
+    };
+    for seq in 0..3 {
+        t1.send(0, note(1, seq)).unwrap();
+        let got = recv().expect("a tagged frame");
+        assert_eq!((got.from, got.tag.seq), (1, seq));
+    }
+    // A frame whose bytes were changed after tagging (here: an untagged frame) is refused.
+    let mut untagged = Vec::new();
+    wagma::transport::frame::write_frame(&mut untagged, &note(1, 9), 1 << 20).unwrap();
+    untagged.extend_from_slice(&[0u8; 32]);
+    t1.inject_raw(0, &untagged).unwrap();
+    let lost = recv().expect_err("the connection is reported lost");
+    assert_eq!(lost.peer, 1);
+    assert!(lost.reason.contains("integrity"), "{}", lost.reason);
+}

@@ -45,6 +45,11 @@ pub type Time = Duration;
 /// Identifies a request of the compute side.
 pub type ReqId = u64;
 
+/// Most messages one peer may have waiting for operations this rank has not started. A
+/// correct peer runs at most a few rounds ahead (WAGMA's tau bounds it), each a handful of
+/// messages; a peer beyond this is treated as lost.
+pub const MAX_KEPT_PER_PEER: usize = 4096;
+
 /// Settings of an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct EngineConfig {
@@ -426,12 +431,20 @@ impl Engine {
                     self.early_pairs.push(env);
                 }
             }
-            _ => {
-                if let Err(e) = self.deliver(env) {
+            _ => match self.deliver(env) {
+                Err(e) => {
                     self.fail(e, out);
                     return;
                 }
-            }
+                Ok(Some(flooder)) => {
+                    let reason = format!(
+                        "it sent more than {MAX_KEPT_PER_PEER} messages that no operation expects"
+                    );
+                    self.on_peer_lost(now, flooder, &reason, out);
+                    return;
+                }
+                Ok(None) => {}
+            },
         }
         self.settle(now, out);
     }
@@ -711,29 +724,43 @@ impl Engine {
         out.push(Action::Complete { id, result });
     }
 
-    /// Matches a message to a running schedule, or keeps it for later.
-    fn deliver(&mut self, env: Envelope) -> Result<(), Error> {
+    /// Matches a message to a running schedule, or keeps it for later; the sender comes back
+    /// when it has more messages waiting than any correct peer could have sent ahead.
+    fn deliver(&mut self, env: Envelope) -> Result<Option<Rank>, Error> {
         let rank = self.rank;
         for r in &mut self.running {
             if r.kind == env.tag.kind && r.seq == env.tag.seq {
-                match r.accept(rank, env)? {
-                    None => return Ok(()),
-                    Some(env) => {
-                        self.keep(env);
-                        return Ok(());
-                    }
-                }
+                return Ok(match r.accept(rank, env)? {
+                    None => None,
+                    Some(env) => self.keep(env),
+                });
             }
         }
-        self.keep(env);
-        Ok(())
+        Ok(self.keep(env))
     }
 
-    fn keep(&mut self, env: Envelope) {
+    /// Keeps a message for an operation not started yet, unless its sender already has
+    /// [`MAX_KEPT_PER_PEER`] waiting (then returns the sender): memory stays bounded whatever a
+    /// peer sends.
+    fn keep(&mut self, env: Envelope) -> Option<Rank> {
+        let from = env.from;
+        // Counting is needed only once that many keys exist at all.
+        if self.unexpected.len() >= MAX_KEPT_PER_PEER {
+            let kept: usize = self
+                .unexpected
+                .iter()
+                .filter(|((_, f), _)| *f == from)
+                .map(|(_, q)| q.len())
+                .sum();
+            if kept >= MAX_KEPT_PER_PEER {
+                return Some(from);
+            }
+        }
         self.unexpected
-            .entry((env.tag, env.from))
+            .entry((env.tag, from))
             .or_default()
             .push_back(env);
+        None
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -520,3 +520,31 @@ fn a_joiner_stops_waiting_when_every_peer_has_left() {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+#[test]
+fn a_peer_that_floods_unexpected_messages_is_lost_not_stored() {
+    let mut e = Engine::new(0, 2, EngineConfig::default());
+    let mut out = Vec::new();
+    for seq in 0..=MAX_KEPT_PER_PEER as u64 {
+        let env = Envelope {
+            from: 1,
+            tag: Tag {
+                kind: Kind::Exchange,
+                seq,
+                step: 0,
+            },
+            meta: Meta::default(),
+            data: Payload::Data(vec![1.0]),
+        };
+        e.on_message(Duration::ZERO, env, &mut out);
+    }
+    assert!(e.unexpected.len() <= MAX_KEPT_PER_PEER);
+    match &e.failed {
+        Some(Error::PeerLost {
+            peer: 1, reason, ..
+        }) => {
+            assert!(reason.contains("no operation expects"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

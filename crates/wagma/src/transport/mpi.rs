@@ -24,6 +24,8 @@ use crate::payload::{Payload, pool};
 /// The tag of every wagma message (the real tag travels in the header).
 const TAG: mpi::Tag = 0x3a;
 const FOLLOWS: u8 = 1;
+/// Longest wait for the values announced by a header.
+const PAYLOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A send in flight with the buffer it reads from.
 enum InFlight {
@@ -137,10 +139,25 @@ impl MpiTransport {
                     max: self.max_frame,
                 });
             }
-            let (msg, st) = self
-                .world
-                .process_at_rank(status.source_rank())
-                .matched_probe_with_tag(TAG);
+            // The values follow their header from the same sender (MPI keeps the order), so
+            // they are due at once; a bounded wait still ends with an error naming the peer.
+            let source = self.world.process_at_rank(status.source_rank());
+            let deadline = std::time::Instant::now() + PAYLOAD_WAIT;
+            let (msg, st) = loop {
+                if let Some(found) = source.immediate_matched_probe_with_tag(TAG) {
+                    break found;
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(TransportError::Peer {
+                        peer: from,
+                        message: format!(
+                            "sent a header but not its {n} values within {} s",
+                            PAYLOAD_WAIT.as_secs()
+                        ),
+                    });
+                }
+                std::thread::yield_now();
+            };
             if st.count(f32::equivalent_datatype()) as usize != n {
                 return Err(TransportError::Malformed(format!(
                     "payload of rank {from} does not match its header"

@@ -238,6 +238,17 @@ impl Session {
         }
     }
 
+    /// The key and direction label of the frames this end sends (`sending`) or receives.
+    pub(crate) fn frame_key(&self, sending: bool) -> ([u8; 32], &'static [u8]) {
+        let connector_sends = (self.side == Side::Connector) == sending;
+        let label: &'static [u8] = if connector_sends {
+            b"frames from connector"
+        } else {
+            b"frames from acceptor"
+        };
+        (self.key, label)
+    }
+
     fn seal_mac(&self, from: Side, counter: u64, body: &[u8]) -> Hmac<Sha256> {
         let mut m = keyed(&self.key);
         m.update(match from {

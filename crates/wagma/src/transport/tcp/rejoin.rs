@@ -7,7 +7,6 @@
 //! as usual, starts its reader (so the joiner's messages reach the engine at once) and hands
 //! the write half to the transport, which uses it from its next send on.
 
-use std::io::BufWriter;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -15,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use super::gate::{self, Caller};
 use super::handshake::Deadlined;
+use super::handshake::Session;
 use super::rendezvous::{read_registration, send_refusal, send_table};
-use super::{Credentials, Link, TcpConfig, connect_to};
+use super::{Credentials, Link, TcpConfig, Writer, connect_to};
 use crate::Rank;
 use crate::error::TransportError;
 
@@ -24,8 +24,6 @@ use crate::error::TransportError;
 const LISTEN_POLL: Duration = Duration::from_millis(50);
 /// How long a joiner tries to reach each peer (a dead one never answers).
 const PEER_CONNECT: Duration = Duration::from_secs(3);
-
-type Writer = BufWriter<TcpStream>;
 
 /// Write halves of connections accepted from rejoined peers, waiting for the engine thread.
 pub(super) struct Adopted {
@@ -115,7 +113,7 @@ pub(super) fn serve_peers(
             };
             // The write half is in place before anything the peer sends is read: an engine
             // that has heard from the new process answers it on the new connection.
-            let opened = link.split(c.stream).and_then(|(w, r)| {
+            let opened = link.split(c.stream, &c.session).and_then(|(w, r)| {
                 adopted.put(peer, w);
                 link.read(peer, r)
             });
@@ -201,9 +199,9 @@ pub(super) fn connect_to_all(
     cfg: &TcpConfig,
     table: &[SocketAddr],
     deadline: Instant,
-) -> Result<Vec<Option<TcpStream>>, TransportError> {
+) -> Result<Vec<Option<(TcpStream, Session)>>, TransportError> {
     let me = cfg.rank;
-    let mut streams: Vec<Option<TcpStream>> = (0..cfg.world).map(|_| None).collect();
+    let mut streams: Vec<Option<(TcpStream, Session)>> = (0..cfg.world).map(|_| None).collect();
     for (peer, addr) in table.iter().enumerate().filter(|(p, _)| *p != me) {
         let until = deadline.min(Instant::now() + PEER_CONNECT);
         match connect_to(*addr, peer, cfg, until) {
