@@ -200,8 +200,8 @@ pub struct Args {
     /// TCP: run without a secret although the job listens beyond loopback, where anyone who
     /// can reach it could join (also `WAGMA_ALLOW_EMPTY_SECRET=1`). Without it such a job
     /// refuses to start.
-    #[arg(long)]
-    pub allow_empty_secret: bool,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub allow_empty_secret: Option<bool>,
     /// Start this process in place of a rank that an elastic TCP job has lost (same rank,
     /// world size, rendezvous and arguments): it rejoins at the job's next global average,
     /// starting from the consensus model. WAGMA-SGD only; rank 0 cannot rejoin.
@@ -534,7 +534,7 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     if let Some(e) = a.elastic {
         c.elastic = e;
     }
-    c.allow_empty_secret = a.allow_empty_secret;
+    c.allow_empty_secret = a.allow_empty_secret.unwrap_or(false);
     if let Some(r) = a.rejoin {
         c.rejoin = r;
     }
