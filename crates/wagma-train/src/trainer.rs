@@ -974,15 +974,10 @@ async fn write_checkpoint<W: Workload>(
     // skipped because the job lost a rank (a checkpoint must hold every rank's part).
     let mut verdict = 0.0f32;
     let size = worker.comm().size();
-    let lost = if rank == 0 {
-        worker.comm().living_ranks().await?.len() < size
-    } else {
-        false
-    };
     if rank == 0 {
         if any_failed {
             checkpoint::abandon(dir, iteration);
-        } else if lost {
+        } else if worker.comm().living_ranks().await?.len() < size {
             checkpoint::abandon(dir, iteration);
             verdict = 2.0;
         } else {
@@ -991,7 +986,7 @@ async fn write_checkpoint<W: Workload>(
                 workload: s.w.name().into(),
                 layout: s.init.layout.clone(),
                 algorithm: s.cfg.algo.algorithm.label(),
-                ranks: worker.comm().size(),
+                ranks: size,
                 iteration,
                 seed: s.cfg.seed,
                 samples,

@@ -393,7 +393,8 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
     }
 }
 
-/// Rank 0's rendezvous in a thread of this process, with the address it bound.
+/// Rank 0 of `cfg`'s job, started in a thread of this process on a rendezvous bound to port
+/// 0: its start-up, its inbox and the address it bound.
 fn rendezvous_in_thread(
     cfg: TcpConfig,
     dir: &TempDir,
@@ -401,18 +402,17 @@ fn rendezvous_in_thread(
     std::thread::JoinHandle<
         Result<wagma::transport::tcp::TcpTransport, wagma::error::TransportError>,
     >,
+    crossbeam_channel::Receiver<wagma::transport::Incoming>,
     String,
 ) {
     let file = dir.path().join("rendezvous");
     let mut c0 = cfg;
     c0.rendezvous = "127.0.0.1:0".into();
     c0.rendezvous_file = Some(file.clone());
-    let rank0 = std::thread::spawn(move || {
-        let (tx, _rx) = crossbeam_channel::unbounded();
-        wagma::transport::tcp::connect(&c0, tx)
-    });
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let rank0 = std::thread::spawn(move || wagma::transport::tcp::connect(&c0, tx));
     let rdv = await_rendezvous(&file, || None);
-    (rank0, rdv)
+    (rank0, rx, rdv)
 }
 
 #[test]
@@ -429,7 +429,7 @@ fn silent_and_trickling_callers_do_not_hold_up_the_start() {
         c
     };
     let dir = TempDir::new("tcp-patient");
-    let (rank0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    let (rank0, _inbox, rdv) = rendezvous_in_thread(config(0, ""), &dir);
     // A few callers that connect and say nothing, and one that sends a byte every 500 ms
     // for 120 s: each read it makes succeeds, so only a whole-handshake deadline ends it.
     let silent: Vec<_> = (0..5)
@@ -522,12 +522,7 @@ fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
         c
     };
     let dir = TempDir::new("tcp-tagged");
-    let (tx0, rx0) = crossbeam_channel::unbounded();
-    let file = dir.path().join("rendezvous");
-    let mut c0 = config(0, "127.0.0.1:0");
-    c0.rendezvous_file = Some(file.clone());
-    let rank0 = std::thread::spawn(move || wagma::transport::tcp::connect(&c0, tx0));
-    let rdv = await_rendezvous(&file, || None);
+    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
     let (tx1, _rx1) = crossbeam_channel::unbounded();
     let mut t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
     let _t0 = rank0.join().unwrap().unwrap();

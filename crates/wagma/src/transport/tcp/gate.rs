@@ -83,9 +83,8 @@ pub(super) fn open(
                             tracing::warn!(rank = me, %addr, "too many callers at once: closed one");
                             continue;
                         }
-                        let deadline = limit
-                            .unwrap_or_else(far_future)
-                            .min(Instant::now() + HANDSHAKE_TIMEOUT);
+                        let own = Instant::now() + HANDSHAKE_TIMEOUT;
+                        let deadline = limit.map_or(own, |l| l.min(own));
                         pending.fetch_add(1, Ordering::AcqRel);
                         let guard = Pending(Arc::clone(&pending));
                         let (cred, admit) = (cred.clone(), Arc::clone(&admit));
@@ -130,10 +129,6 @@ impl Drop for Pending {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(3600 * 24 * 365)
 }
 
 fn authenticate(
