@@ -10,6 +10,11 @@
 #   MODE=bench: `wagma bench imbalance` (every algorithm on the same compute draws, a model of
 #     MODEL floats); prints one JSON line per combination: {"rate", "delay", "shaping", "rows":
 #     [{"algo", "samples_per_s", "vs_allreduce", "wait_fraction"}]}.
+#   MODE=partition: one elastic `wagma train` (the first algorithm of ALGOS, timeout TIMEOUT
+#     [10] s); once rank 0 has evaluated iteration AT [40], hosts SPLIT [HOSTS/2+1] and above
+#     move to a bridge of their own, cut off from the others but not from each other. Prints
+#     one JSON line per rank: {"rank", "exit", "after_split_s", "error"} (its error, or its
+#     last line of stderr), then {"summary": rank 0's summary.json} when rank 0 wrote one.
 #
 # Needs root and iproute2. The namespaces, veths and bridge are removed on exit, also on
 # failure or interruption.
@@ -45,6 +50,7 @@ cleanup() {
     ip link del "${TAG}h$i" 2>/dev/null
   done
   ip link del "$BRIDGE" 2>/dev/null
+  ip link del "${BRIDGE}2" 2>/dev/null
 }
 trap cleanup EXIT INT TERM
 
@@ -75,21 +81,26 @@ shape() { # rate delay -> prints the shaping actually applied
   echo "$how"
 }
 
-# Runs `wagma ARGS...` as one rank per host; the ranks'
-# outputs land in $out/rank-N.{out,err}. Fails, printing the ranks' errors, if one fails.
-on_hosts() {
+# Starts `wagma ARGS...` as one rank per host in the background (their pids in `pids`); the
+# ranks' outputs land in $out/rank-N.{out,err}.
+start_on_hosts() {
   # A fresh random secret, which the ranks inherit through the environment: never on a
   # command line, where other users could read it.
   local -x WAGMA_SECRET
   WAGMA_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
   local port=$(( 20000 + ($$ % 20000) + RANDOM % 1000 ))
-  local pids=()
+  pids=()
   for i in $(seq 0 $((HOSTS - 1))); do
     ip netns exec "${TAG}n$i" env WAGMA_RANK="$i" WAGMA_WORLD_SIZE="$HOSTS" \
       WAGMA_RENDEZVOUS="$NET.1:$port" WAGMA_BIND="$NET.$((i + 1))" WAGMA_JOB_ID="$TAG" \
       "$WAGMA" "$@" > "$out/rank-$i.out" 2> "$out/rank-$i.err" &
     pids+=($!)
   done
+}
+
+# Runs `wagma ARGS...` as one rank per host. Fails, printing the ranks' errors, if one fails.
+on_hosts() {
+  start_on_hosts "$@"
   local failed=0
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
   if [ "$failed" != 0 ]; then
@@ -99,7 +110,69 @@ on_hosts() {
   fi
 }
 
+# MODE=partition: see the header.
+partition_run() {
+  local timeout=${TIMEOUT:-10} at=${AT:-40} split=${SPLIT:-$(( HOSTS / 2 + 1 ))}
+  local algo=${ALGOS%% *}
+  # shellcheck disable=SC2086 # TRAIN_ARGS is a list of options
+  start_on_hosts train --transport tcp --algo "$algo" --steps "$STEPS" --eval-every "$at" \
+    --elastic --timeout "$timeout" --imbalance "$PROFILE" --time-scale "$TIME_SCALE" \
+    --dataset builtin --quiet true --out "$out/run" $TRAIN_ARGS
+  local waited=0
+  until python3 - "$out/run/progress.jsonl" "$at" <<'PY'
+import json, sys
+try:
+    its = [json.loads(l)["iteration"] for l in open(sys.argv[1]) if l.strip()]
+except (OSError, ValueError, KeyError):
+    its = []
+sys.exit(0 if its and max(its) >= int(sys.argv[2]) else 1)
+PY
+  do
+    sleep 0.2
+    waited=$((waited + 1))
+    if [ "$waited" -gt 1500 ]; then echo "rank 0 never reached iteration $at" >&2; return 1; fi
+  done
+  ip link add "${BRIDGE}2" type bridge
+  ip link set "${BRIDGE}2" up
+  for i in $(seq "$split" $((HOSTS - 1))); do ip link set "${TAG}h$i" master "${BRIDGE}2"; done
+  local t_split ends=() codes=() left=$HOSTS
+  t_split=$(date +%s.%N)
+  # Each rank's end, to a tenth of a second.
+  while [ "$left" -gt 0 ]; do
+    for i in "${!pids[@]}"; do
+      if [ -z "${ends[$i]:-}" ] && ! kill -0 "${pids[$i]}" 2>/dev/null; then
+        ends[i]=$(date +%s.%N)
+        left=$((left - 1))
+      fi
+    done
+    sleep 0.1
+  done
+  for i in "${!pids[@]}"; do
+    local code=0
+    wait "${pids[$i]}" || code=$?
+    codes[i]=$code
+  done
+  for i in "${!pids[@]}"; do
+    python3 - "$i" "${codes[$i]}" "${ends[$i]}" "$t_split" "$out/rank-$i.err" <<'PY'
+import json, sys
+lines = [l for l in open(sys.argv[5]).read().splitlines() if l.strip()]
+errors = [l for l in lines if l.startswith("Error")]
+print(json.dumps({"rank": int(sys.argv[1]), "exit": int(sys.argv[2]),
+                  "after_split_s": round(float(sys.argv[3]) - float(sys.argv[4]), 2),
+                  "error": (errors or lines or [""])[-1]}))
+PY
+  done
+  if [ -f "$out/run/summary.json" ]; then
+    python3 -c 'import json,sys; print(json.dumps({"summary": json.load(open(sys.argv[1]))}))' "$out/run/summary.json"
+  fi
+}
+
 out=$(mktemp -d)
+if [ "$MODE" = partition ]; then
+  partition_run
+  rm -rf "$out"
+  exit 0
+fi
 for rate in $RATES; do
   for delay in $DELAYS; do
     how=$(shape "$rate" "$delay")

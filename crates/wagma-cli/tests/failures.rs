@@ -266,7 +266,7 @@ fn outcome(out: &Path) -> (f64, u64) {
 #[test]
 fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     let (ranks, steps) = (8, 600);
-    // Checkpoints every 100 iterations: those after the loss cannot hold every rank.
+    // Checkpoints every 100 iterations: those after the loss hold the living ranks.
     let extra = ["--elastic", "--timeout", "20", "--checkpoint-every", "100"];
     // Undisturbed.
     let dir = tmp("elastic-base");
@@ -296,18 +296,43 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     }
     let (acc, alive) = outcome(&out);
     assert_eq!(alive, 7);
-    // The checkpoints after the loss were skipped; the latest holds all 8 ranks' parts.
+    // The two checkpoints after the loss hold the 7 living ranks, and say so.
     let ckpt = out.join("checkpoints");
-    let latest = ckpt.join(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim());
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(latest.join("meta.json")).unwrap()).unwrap();
-    assert_eq!(meta["ranks"], 8);
-    assert!(meta["iteration"].as_u64().unwrap() < steps, "{meta}");
-    for r in 0..ranks {
-        assert!(latest.join(format!("rank-{r}.bin")).is_file(), "rank {r}");
-    }
-    let log0 = std::fs::read_to_string(dir2.join("rank-0.log")).unwrap();
-    assert!(log0.contains("checkpoint skipped"), "{log0}");
+    let held = |name: &str| -> (u64, Vec<u64>) {
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ckpt.join(name).join("meta.json")).unwrap())
+                .unwrap();
+        assert_eq!(meta["ranks"], 8);
+        let files = meta["files"].as_array().unwrap().iter();
+        let ranks = files.map(|f| f["rank"].as_u64().unwrap()).collect();
+        (meta["iteration"].as_u64().unwrap(), ranks)
+    };
+    let survivors: Vec<u64> = (0..8).filter(|&r| r != 5).collect();
+    assert_eq!(held("ckpt-0000000500"), (500, survivors.clone()));
+    assert_eq!(held("ckpt-0000000400"), (400, survivors));
+    let latest = std::fs::read_to_string(ckpt.join("LATEST")).unwrap();
+    assert!(latest.starts_with("ckpt-0000000500 "), "{latest}");
+    // All 8 resume from it; rank 5 starts from rank 0's replica.
+    let dir3 = tmp("elastic-resume");
+    std::fs::create_dir_all(&dir3).unwrap();
+    let out3 = dir3.join("out");
+    let mut resume_args = train_args(&out3, steps, 100, &extra);
+    resume_args.extend(["--resume".to_string(), ckpt.display().to_string()]);
+    let (mut children, _) = spawn_job(ranks, &resume_args, &dir3);
+    let status = wait_all(&mut children, Duration::from_secs(600));
+    let log5 = std::fs::read_to_string(dir3.join("rank-5.log")).unwrap();
+    assert!(
+        status.iter().all(|s| s.is_some_and(|s| s.success())),
+        "{status:?}\n{log5}"
+    );
+    assert!(log5.contains("holds no state of this rank"), "{log5}");
+    let (resumed, alive) = outcome(&out3);
+    assert_eq!(alive, 8);
+    assert!(
+        (resumed - base).abs() <= 0.01,
+        "resumed accuracy {resumed:.4} vs undisturbed {base:.4}"
+    );
+    let _ = std::fs::remove_dir_all(&dir3);
     eprintln!("undisturbed accuracy {base:.4}; rank 5 killed half-way: {acc:.4}");
     assert!(
         (acc - base).abs() <= 0.01,

@@ -123,3 +123,53 @@ fn the_benchmark_runs_one_job_across_four_namespaces() {
     assert_eq!(rows[0]["algo"], "wagma tau=10", "{lines:?}");
     assert_eq!(rows[1]["vs_allreduce"], 1.0, "{lines:?}");
 }
+
+#[test]
+fn a_partition_of_an_elastic_job_stops_the_minority_and_the_majority_finishes() {
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !can_make_namespaces() {
+        return;
+    }
+    let before = namespaces();
+    // Five hosts, rank 0 reports iteration 40; then hosts 3 and 4 are cut off from 0-2 (they
+    // still reach each other).
+    let timeout = 10.0;
+    let lines = sweep_lines(
+        env!("CARGO_BIN_EXE_wagma"),
+        &[
+            ("MODE", "partition"),
+            ("HOSTS", "5"),
+            ("STEPS", "400"),
+            ("AT", "40"),
+            ("TIMEOUT", "10"),
+            ("ALGOS", "wagma"),
+        ],
+    );
+    assert_eq!(lines.len(), 6, "{lines:?}");
+    for r in &lines[..3] {
+        assert_eq!(
+            r["exit"], 0,
+            "the side with rank 0 and 3 of 5 finishes: {r}"
+        );
+    }
+    for r in &lines[3..5] {
+        assert_ne!(r["exit"], 0, "{r}");
+        let err = r["error"].as_str().unwrap();
+        assert!(
+            err.contains("without rank 0") && err.contains("strict majority of the 5 ranks"),
+            "the minority names the partition: {err}"
+        );
+        // Each side learns of the split within its timeout (silence, or nothing delivered
+        // for an operation); the bound leaves room for a loaded machine.
+        let after = r["after_split_s"].as_f64().unwrap();
+        assert!(after < 6.0 * timeout, "{r}");
+    }
+    let summary = &lines[5]["summary"];
+    assert_eq!(summary["ranks_alive"], 3, "{summary}");
+    assert_eq!(summary["steps"], 400, "{summary}");
+    assert!(
+        summary["final_metrics"]["accuracy"].as_f64().unwrap() > 0.5,
+        "{summary}"
+    );
+    assert_eq!(namespaces(), before, "namespaces left behind");
+}

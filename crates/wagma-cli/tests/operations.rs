@@ -34,8 +34,13 @@ fn train_with_checkpoints(out: &Path, extra: &[&str]) -> Output {
         .unwrap()
 }
 
+/// The checkpoint `LATEST` names (its first word; the second is a checksum).
 fn latest(out: &Path) -> String {
-    std::fs::read_to_string(out.join("checkpoints/LATEST")).unwrap()
+    let text = std::fs::read_to_string(out.join("checkpoints/LATEST")).unwrap();
+    text.split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 #[test]

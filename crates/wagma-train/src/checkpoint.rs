@@ -3,17 +3,24 @@
 //!
 //! Layout of a checkpoint directory `DIR`:
 //! * `DIR/ckpt-<iteration>/meta.json`: format version, workload, model layout, algorithm,
-//!   ranks, iteration, seed;
+//!   ranks, iteration, seed, and the ranks whose state it holds with each file's length and
+//!   CRC-32;
 //! * `DIR/ckpt-<iteration>/rank-<r>.bin`: magic, format version, a JSON header, then the
 //!   parameters, buffers and momentum as little-endian f32, and a CRC-32 of everything before;
-//! * `DIR/LATEST`: the name of the newest complete checkpoint.
+//! * `DIR/LATEST`: the name of the newest complete checkpoint and the CRC-32 of its
+//!   `meta.json`.
 //!
 //! Writing: every rank writes its file (temporary name, then rename) into `.ckpt-<iteration>.tmp`;
-//! when all succeeded and every one of the job's ranks has its file there, rank 0 adds
+//! when all succeeded and every rank the checkpoint must hold has its file there, rank 0 adds
 //! `meta.json`, renames the directory to a name no other checkpoint has and then replaces
-//! `LATEST` (temporary file, then rename), syncing files and directory entries. Until that last
-//! rename the previous checkpoint is the one `LATEST` names, untouched; only then are older
-//! ones pruned.
+//! `LATEST` (temporary file, then rename), syncing each file before its rename and each
+//! directory after it. Until that last rename the previous checkpoint is the one `LATEST`
+//! names, untouched; only then are older ones pruned. A crash between any two steps therefore
+//! leaves `LATEST` naming a complete checkpoint: the new one or the previous one.
+//!
+//! A checkpoint of an elastic job that has lost ranks holds the ranks that were alive; on
+//! resume a rank it lacks starts from the lowest held rank's replica with a fresh data shard,
+//! as a rank that rejoins a running job does.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -24,9 +31,10 @@ use crate::error::TrainError;
 use crate::flat::Layout;
 
 /// Version of the format; a checkpoint of another version is refused.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"WAGMACKP";
 const LATEST: &str = "LATEST";
+const META: &str = "meta.json";
 
 /// What every rank's checkpoint shares.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,6 +57,44 @@ pub struct Meta {
     pub samples: u64,
     /// Training seconds so far.
     pub train_s: f64,
+    /// The ranks whose state the checkpoint holds, in rank order (filled in by [`commit`]).
+    #[serde(default)]
+    pub files: Vec<RankFile>,
+}
+
+impl Meta {
+    /// The record of `rank`'s file, if the checkpoint holds that rank.
+    pub fn file(&self, rank: usize) -> Option<&RankFile> {
+        self.files.iter().find(|f| f.rank == rank)
+    }
+}
+
+/// One rank's file in a checkpoint, as [`commit`] found it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankFile {
+    /// The rank.
+    pub rank: usize,
+    /// Length of the file in bytes.
+    pub bytes: u64,
+    /// The file's own trailing CRC-32 (of everything before it).
+    pub crc32: u32,
+}
+
+/// The steps of [`commit_observed`], each reported once it is durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitStep {
+    /// Every part the checkpoint must hold was found; nothing is written yet.
+    PartsChecked,
+    /// `meta.json` is in the temporary directory.
+    MetaWritten,
+    /// The temporary directory has its final name.
+    Renamed,
+    /// The new `LATEST` is written under a temporary name.
+    LatestStaged,
+    /// `LATEST` names the new checkpoint.
+    LatestReplaced,
+    /// Checkpoints beyond the newest kept ones, and unfinished ones before this, are removed.
+    Pruned,
 }
 
 /// One rank's state.
@@ -117,12 +163,22 @@ fn sync_dir(dir: &Path) -> Result<(), TrainError> {
 /// Writes `bytes` to `path` through a temporary file and a rename, syncing the data and the
 /// directory entry.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let staged = stage(path, bytes)?;
+    publish(&staged, path)
+}
+
+/// First half of [`write_atomic`]: the bytes, durable, under a temporary name beside `path`.
+fn stage(path: &Path, bytes: &[u8]) -> Result<PathBuf, TrainError> {
     let tmp = path.with_extension("partial");
     let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
     f.write_all(bytes).map_err(|e| io(&tmp, e))?;
     f.sync_all().map_err(|e| io(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))?;
+    Ok(tmp)
+}
+
+/// Second half of [`write_atomic`]: the staged file takes its name, durably.
+fn publish(staged: &Path, path: &Path) -> Result<(), TrainError> {
+    std::fs::rename(staged, path).map_err(|e| io(path, e))?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
@@ -175,8 +231,13 @@ fn decode(bytes: &[u8], path: &Path) -> Result<RankState, TrainError> {
         .ok_or_else(|| bad("truncated header"))?;
     let header: Header = serde_json::from_slice(h).map_err(|e| bad(&format!("bad header: {e}")))?;
     let floats = &body[16 + hlen..];
-    let n = header.params + header.buffers + header.momentum;
-    if floats.len() != 4 * n {
+    // The header is untrusted: lengths that overflow cannot match the data either.
+    let n = header
+        .params
+        .checked_add(header.buffers)
+        .and_then(|n| n.checked_add(header.momentum))
+        .and_then(|n| n.checked_mul(4));
+    if n != Some(floats.len()) {
         return Err(bad("data length does not match the header"));
     }
     let mut vals = floats
@@ -198,10 +259,7 @@ fn decode(bytes: &[u8], path: &Path) -> Result<RankState, TrainError> {
 pub fn write_rank(dir: &Path, state: &RankState) -> Result<(), TrainError> {
     let tmp = tmp_dir(dir, state.iteration);
     std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    write_atomic(
-        &tmp.join(format!("rank-{}.bin", state.rank)),
-        &encode(state),
-    )
+    write_atomic(&tmp.join(rank_file(state.rank)), &encode(state))
 }
 
 /// Writes one state as a single file (the exported final model), atomically.
@@ -215,36 +273,115 @@ pub fn read_model(path: &Path) -> Result<RankState, TrainError> {
     decode(&bytes, path)
 }
 
-/// Step 2, on rank 0 once every rank succeeded: completes the checkpoint and makes it the
-/// latest; older checkpoints beyond the newest `keep` are removed.
-pub fn commit(dir: &Path, meta: &Meta, keep: usize) -> Result<PathBuf, TrainError> {
-    let tmp = tmp_dir(dir, meta.iteration);
-    // Resuming needs every rank's part: one the job lost (elastic runs) makes the checkpoint
-    // incomplete, and committing it would make `LATEST` name what cannot be resumed.
-    if let Some(r) = (0..meta.ranks).find(|r| !tmp.join(format!("rank-{r}.bin")).is_file()) {
-        abandon(dir, meta.iteration);
-        return Err(TrainError::checkpoint(
-            dir,
-            format!(
-                "rank {r} wrote no part at iteration {} (it may have been lost); a checkpoint \
-                 must hold all {} ranks, so the previous one stays the latest",
-                meta.iteration, meta.ranks
-            ),
+/// Step 2, on rank 0 once every rank succeeded: completes the checkpoint of `meta.iteration`
+/// holding the parts of `ranks` (every rank of the job, or the living ones in an elastic job)
+/// and makes it the latest; older checkpoints beyond the newest `keep` are removed.
+pub fn commit(dir: &Path, meta: Meta, ranks: &[usize], keep: usize) -> Result<PathBuf, TrainError> {
+    commit_observed(dir, meta, ranks, keep, &mut |_| {})
+}
+
+/// [`commit`], calling `on_step` after each of its steps (for progress reports and for tests
+/// that inject a crash between steps).
+pub fn commit_observed(
+    dir: &Path,
+    mut meta: Meta,
+    ranks: &[usize],
+    keep: usize,
+    on_step: &mut dyn FnMut(CommitStep),
+) -> Result<PathBuf, TrainError> {
+    let iteration = meta.iteration;
+    let tmp = tmp_dir(dir, iteration);
+    let refuse = |m: String| {
+        abandon(dir, iteration);
+        Err(TrainError::checkpoint(dir, m))
+    };
+    let mut held: Vec<usize> = ranks.to_vec();
+    held.sort_unstable();
+    held.dedup();
+    if held.first() != Some(&0) || held.iter().any(|&r| r >= meta.ranks) {
+        return refuse(format!(
+            "a checkpoint holds rank 0 and ranks below {}, not {held:?}",
+            meta.ranks
         ));
     }
+    let mut files = Vec::with_capacity(held.len());
+    for &r in &held {
+        // Resuming needs every held rank's part: committing without one would make `LATEST`
+        // name what cannot be resumed.
+        match part_record(&tmp.join(rank_file(r)), r) {
+            Ok(f) => files.push(f),
+            Err(e) => {
+                return refuse(format!(
+                    "rank {r} has no complete part at iteration {iteration} ({e}); the \
+                     previous checkpoint stays the latest"
+                ));
+            }
+        }
+    }
+    meta.files = files;
+    on_step(CommitStep::PartsChecked);
     let json =
-        serde_json::to_vec_pretty(meta).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
-    write_atomic(&tmp.join("meta.json"), &json)?;
-    let done = final_dir(dir, meta.iteration);
+        serde_json::to_vec_pretty(&meta).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
+    write_atomic(&tmp.join(META), &json)?;
+    on_step(CommitStep::MetaWritten);
+    let done = final_dir(dir, iteration);
     std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
     sync_dir(dir)?;
+    on_step(CommitStep::Renamed);
     let name = done
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    write_atomic(&dir.join(LATEST), name.as_bytes())?;
+    let latest = format!("{name} {:08x}\n", crc32fast::hash(&json));
+    let staged = stage(&dir.join(LATEST), latest.as_bytes())?;
+    on_step(CommitStep::LatestStaged);
+    publish(&staged, &dir.join(LATEST))?;
+    on_step(CommitStep::LatestReplaced);
     prune(dir, keep);
+    clear_unfinished(dir, iteration);
+    on_step(CommitStep::Pruned);
     Ok(done)
+}
+
+/// The name of rank `r`'s file in a checkpoint.
+fn rank_file(r: usize) -> String {
+    format!("rank-{r}.bin")
+}
+
+/// Length and trailing CRC-32 of a rank's part (the file is checked in full when read).
+fn part_record(path: &Path, rank: usize) -> Result<RankFile, std::io::Error> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path)?;
+    let bytes = f.metadata()?.len();
+    if bytes < 24 {
+        return Err(std::io::Error::other("too short"));
+    }
+    f.seek(SeekFrom::End(-4))?;
+    let mut crc = [0u8; 4];
+    f.read_exact(&mut crc)?;
+    Ok(RankFile {
+        rank,
+        bytes,
+        crc32: u32::from_le_bytes(crc),
+    })
+}
+
+/// Removes the temporary directories of checkpoints before `iteration` that a crash or a
+/// failed write left behind (a later one may still be written by this job).
+fn clear_unfinished(dir: &Path, iteration: u64) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.filter_map(Result::ok) {
+        let n = e.file_name().to_string_lossy().into_owned();
+        let it = n
+            .strip_prefix(".ckpt-")
+            .and_then(|n| n.strip_suffix(".tmp"))
+            .and_then(|n| n.parse::<u64>().ok());
+        if it.is_some_and(|it| it < iteration) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Abandons a checkpoint whose write failed somewhere (the previous one stays the latest).
@@ -272,20 +409,30 @@ fn prune(dir: &Path, keep: usize) {
 }
 
 /// The checkpoint a `--resume` path names: a checkpoint directory itself, or a directory with
-/// a `LATEST` pointer.
+/// a `LATEST` pointer (whose checksum of `meta.json` is then verified).
 pub fn locate(path: &Path) -> Result<PathBuf, TrainError> {
-    if path.join("meta.json").is_file() {
+    if path.join(META).is_file() {
         return Ok(path.to_path_buf());
     }
     let latest = path.join(LATEST);
-    let name = std::fs::read_to_string(&latest).map_err(|_| {
+    let text = std::fs::read_to_string(&latest).map_err(|_| {
         TrainError::checkpoint(path, "holds no checkpoint (no meta.json, no LATEST)")
     })?;
-    let dir = path.join(name.trim());
-    if !dir.join("meta.json").is_file() {
+    let mut words = text.split_whitespace();
+    let (Some(name), Some(crc), None) = (words.next(), words.next(), words.next()) else {
+        return Err(TrainError::checkpoint(
+            &latest,
+            "is not a checkpoint pointer (a name and a checksum)",
+        ));
+    };
+    let dir = path.join(name);
+    let meta = std::fs::read(dir.join(META)).map_err(|_| {
+        TrainError::checkpoint(&dir, "LATEST names a checkpoint that does not exist")
+    })?;
+    if format!("{:08x}", crc32fast::hash(&meta)) != crc {
         return Err(TrainError::checkpoint(
             &dir,
-            "LATEST names a checkpoint that does not exist",
+            "meta.json does not match the checksum LATEST holds: it is corrupt or was replaced",
         ));
     }
     Ok(dir)
@@ -293,7 +440,7 @@ pub fn locate(path: &Path) -> Result<PathBuf, TrainError> {
 
 /// Reads the shared part of a checkpoint.
 pub fn read_meta(ckpt: &Path) -> Result<Meta, TrainError> {
-    let p = ckpt.join("meta.json");
+    let p = ckpt.join(META);
     let bytes = std::fs::read(&p).map_err(|e| io(&p, e))?;
     let meta: Meta = serde_json::from_slice(&bytes)
         .map_err(|e| TrainError::checkpoint(&p, format!("unreadable: {e}")))?;
@@ -306,18 +453,49 @@ pub fn read_meta(ckpt: &Path) -> Result<Meta, TrainError> {
             ),
         ));
     }
+    if meta.file(0).is_none() || meta.files.iter().any(|f| f.rank >= meta.ranks) {
+        return Err(TrainError::checkpoint(
+            &p,
+            format!(
+                "must hold rank 0 and ranks below {}, it lists {:?}",
+                meta.ranks,
+                meta.files.iter().map(|f| f.rank).collect::<Vec<_>>()
+            ),
+        ));
+    }
     Ok(meta)
 }
 
-/// Reads one rank's state.
-pub fn read_rank(ckpt: &Path, rank: usize) -> Result<RankState, TrainError> {
-    let p = ckpt.join(format!("rank-{rank}.bin"));
+/// Reads one rank's state from the checkpoint `meta` describes, checking the file against the
+/// length and checksum recorded there.
+pub fn read_rank(ckpt: &Path, meta: &Meta, rank: usize) -> Result<RankState, TrainError> {
+    let p = ckpt.join(rank_file(rank));
+    let Some(rec) = meta.file(rank) else {
+        return Err(TrainError::checkpoint(
+            ckpt,
+            format!("holds no state of rank {rank} (the job had lost it)"),
+        ));
+    };
     let bytes = std::fs::read(&p).map_err(|e| io(&p, e))?;
-    let s = decode(&bytes, &p)?;
-    if s.rank != rank {
+    let trailer = bytes
+        .len()
+        .checked_sub(4)
+        .and_then(|k| bytes.get(k..))
+        .map(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]));
+    if bytes.len() as u64 != rec.bytes || trailer != Some(rec.crc32) {
         return Err(TrainError::checkpoint(
             &p,
-            format!("holds rank {}, not {rank}", s.rank),
+            "is corrupt: its length and checksum differ from those meta.json records (truncated or replaced)",
+        ));
+    }
+    let s = decode(&bytes, &p)?;
+    if s.rank != rank || s.iteration != meta.iteration {
+        return Err(TrainError::checkpoint(
+            &p,
+            format!(
+                "holds rank {} at iteration {}, not rank {rank} at {}",
+                s.rank, s.iteration, meta.iteration
+            ),
         ));
     }
     Ok(s)
@@ -394,6 +572,7 @@ mod tests {
             seed: 1,
             samples: 10,
             train_s: 1.0,
+            files: Vec::new(),
         }
     }
 
@@ -404,42 +583,109 @@ mod tests {
         d
     }
 
+    fn write_all(d: &Path, ranks: &[usize], it: u64) {
+        for &r in ranks {
+            write_rank(d, &state(r, it)).unwrap();
+        }
+    }
+
     #[test]
     fn round_trip_and_latest() {
         let d = tempdir("rt");
         for it in [10, 20] {
-            for r in 0..2 {
-                write_rank(&d, &state(r, it)).unwrap();
-            }
-            commit(&d, &meta(it), 2).unwrap();
+            write_all(&d, &[0, 1], it);
+            commit(&d, meta(it), &[0, 1], 2).unwrap();
         }
         let c = locate(&d).unwrap();
         assert!(c.ends_with("ckpt-0000000020"));
-        assert_eq!(read_meta(&c).unwrap().iteration, 20);
-        assert_eq!(read_rank(&c, 1).unwrap(), state(1, 20));
+        let m = read_meta(&c).unwrap();
+        assert_eq!(m.iteration, 20);
+        assert_eq!(m.files.iter().map(|f| f.rank).collect::<Vec<_>>(), [0, 1]);
+        let len = std::fs::metadata(c.join("rank-1.bin")).unwrap().len();
+        assert_eq!(m.file(1).unwrap().bytes, len);
+        assert_eq!(read_rank(&c, &m, 1).unwrap(), state(1, 20));
+        // LATEST: the name, then the CRC-32 of meta.json.
+        let latest = std::fs::read_to_string(d.join(LATEST)).unwrap();
+        let crc = crc32fast::hash(&std::fs::read(c.join(META)).unwrap());
+        assert_eq!(latest, format!("ckpt-0000000020 {crc:08x}\n"));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_failed_write_leaves_the_previous_checkpoint() {
         let d = tempdir("fail");
-        for r in 0..2 {
-            write_rank(&d, &state(r, 10)).unwrap();
-        }
-        commit(&d, &meta(10), 2).unwrap();
+        write_all(&d, &[0, 1], 10);
+        commit(&d, meta(10), &[0, 1], 2).unwrap();
         // The next checkpoint breaks half-way: one rank wrote, the other did not.
         write_rank(&d, &state(0, 20)).unwrap();
         abandon(&d, 20);
         let c = locate(&d).unwrap();
-        assert_eq!(read_meta(&c).unwrap().iteration, 10);
-        assert_eq!(read_rank(&c, 0).unwrap(), state(0, 10));
-        // A commit that lacks a rank's part (a rank an elastic job lost) is refused, and
-        // neither `LATEST` nor the previous checkpoint change.
+        let m = read_meta(&c).unwrap();
+        assert_eq!(m.iteration, 10);
+        assert_eq!(read_rank(&c, &m, 0).unwrap(), state(0, 10));
+        // A commit that lacks a part it must hold is refused, and neither `LATEST` nor the
+        // previous checkpoint change.
         write_rank(&d, &state(0, 30)).unwrap();
-        let e = commit(&d, &meta(30), 1).unwrap_err().to_string();
-        assert!(e.contains("rank 1 wrote no part"), "{e}");
+        let e = commit(&d, meta(30), &[0, 1], 1).unwrap_err().to_string();
+        assert!(e.contains("rank 1 has no complete part"), "{e}");
         assert_eq!(locate(&d).unwrap(), c);
         assert!(c.join("rank-1.bin").is_file());
+        // So is one without rank 0 or with a rank beyond the job.
+        write_all(&d, &[0, 1], 40);
+        assert!(commit(&d, meta(40), &[1], 1).is_err());
+        write_all(&d, &[0, 1], 40);
+        assert!(commit(&d, meta(40), &[0, 2], 1).is_err());
+        assert_eq!(locate(&d).unwrap(), c);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_elastic_checkpoint_holds_exactly_the_ranks_it_was_given() {
+        let d = tempdir("elastic");
+        let mut m3 = meta(10);
+        m3.ranks = 3;
+        // Rank 1 was lost; a stale part of it from before must not be listed.
+        write_all(&d, &[0, 1, 2], 10);
+        let c = commit(&d, m3, &[2, 0], 2).unwrap();
+        let m = read_meta(&c).unwrap();
+        assert_eq!(m.files.iter().map(|f| f.rank).collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(read_rank(&c, &m, 2).unwrap(), state(2, 10));
+        let e = read_rank(&c, &m, 1).unwrap_err().to_string();
+        assert!(e.contains("holds no state of rank 1"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_commit_clears_earlier_unfinished_checkpoints_only() {
+        let d = tempdir("clear");
+        write_rank(&d, &state(0, 5)).unwrap();
+        write_rank(&d, &state(0, 20)).unwrap();
+        write_all(&d, &[0, 1], 10);
+        commit(&d, meta(10), &[0, 1], 2).unwrap();
+        assert!(!tmp_dir(&d, 5).exists());
+        assert!(tmp_dir(&d, 20).exists());
+        assert!(locate(&d).is_ok());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn every_commit_step_is_reported_in_order() {
+        let d = tempdir("steps");
+        write_all(&d, &[0, 1], 10);
+        let mut seen = Vec::new();
+        commit_observed(&d, meta(10), &[0, 1], 2, &mut |s| seen.push(s)).unwrap();
+        use CommitStep::*;
+        assert_eq!(
+            seen,
+            [
+                PartsChecked,
+                MetaWritten,
+                Renamed,
+                LatestStaged,
+                LatestReplaced,
+                Pruned
+            ]
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 
@@ -448,19 +694,15 @@ mod tests {
         let d = tempdir("again");
         let mut made = Vec::new();
         for _ in 0..2 {
-            for r in 0..2 {
-                write_rank(&d, &state(r, 10)).unwrap();
-            }
-            made.push(commit(&d, &meta(10), 2).unwrap());
+            write_all(&d, &[0, 1], 10);
+            made.push(commit(&d, meta(10), &[0, 1], 2).unwrap());
         }
         assert_ne!(made[0], made[1]);
-        assert!(made[0].join("meta.json").is_file());
+        assert!(made[0].join(META).is_file());
         assert_eq!(locate(&d).unwrap(), made[1]);
         // The newer sorts after the older, so pruning keeps the newest.
-        for r in 0..2 {
-            write_rank(&d, &state(r, 20)).unwrap();
-        }
-        commit(&d, &meta(20), 2).unwrap();
+        write_all(&d, &[0, 1], 20);
+        commit(&d, meta(20), &[0, 1], 2).unwrap();
         assert!(!made[0].exists() && made[1].exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -468,24 +710,40 @@ mod tests {
     #[test]
     fn corruption_and_mismatches_are_refused() {
         let d = tempdir("bad");
-        for r in 0..2 {
-            write_rank(&d, &state(r, 5)).unwrap();
-        }
-        let c = commit(&d, &meta(5), 2).unwrap();
-        std::fs::remove_file(c.join("rank-1.bin")).unwrap();
+        write_all(&d, &[0, 1], 5);
+        let c = commit(&d, meta(5), &[0, 1], 2).unwrap();
+        let m = read_meta(&c).unwrap();
+        // A flipped bit: the file's own checksum no longer matches.
         let f = c.join("rank-0.bin");
-        let mut bytes = std::fs::read(&f).unwrap();
+        let good = std::fs::read(&f).unwrap();
+        let mut bytes = good.clone();
         let k = bytes.len() - 6;
         bytes[k] ^= 0xff;
         std::fs::write(&f, &bytes).unwrap();
         assert!(
-            read_rank(&c, 0)
+            read_rank(&c, &m, 0)
                 .unwrap_err()
                 .to_string()
                 .contains("corrupt")
         );
-        assert!(read_rank(&c, 1).is_err());
-        let m = read_meta(&c).unwrap();
+        // A valid file of another rank or checkpoint in its place: meta.json's record differs.
+        let mut other = state(0, 5);
+        other.params[0] = 9.0;
+        write_model(&f, &other).unwrap();
+        let e = read_rank(&c, &m, 0).unwrap_err().to_string();
+        assert!(e.contains("replaced"), "{e}");
+        std::fs::write(&f, &good).unwrap();
+        assert!(read_rank(&c, &m, 0).is_ok());
+        std::fs::remove_file(c.join("rank-1.bin")).unwrap();
+        assert!(read_rank(&c, &m, 1).is_err());
+        // meta.json edited after the commit: LATEST's checksum catches it.
+        let mut edited = m.clone();
+        edited.seed = 2;
+        std::fs::write(c.join(META), serde_json::to_vec_pretty(&edited).unwrap()).unwrap();
+        let e = locate(&d).unwrap_err().to_string();
+        assert!(e.contains("checksum"), "{e}");
+        std::fs::write(d.join(LATEST), "ckpt-0000000005\n").unwrap();
+        assert!(locate(&d).is_err());
         let other = Layout { tensors: vec![] };
         assert!(
             check_compatible(&m, "image", &other, 2, &c)
@@ -497,5 +755,24 @@ mod tests {
         assert!(check_compatible(&m, "image", &m.layout, 4, &c).is_err());
         assert!(locate(&d.join("nothing")).is_err());
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn header_lengths_that_overflow_are_refused() {
+        // A file with a valid checksum whose header claims more data than fits in memory.
+        let mut st = state(0, 1);
+        st.params.clear();
+        st.buffers.clear();
+        let good = encode(&st);
+        let hlen = u32::from_le_bytes([good[12], good[13], good[14], good[15]]) as usize;
+        let text = String::from_utf8(good[16..16 + hlen].to_vec()).unwrap();
+        let huge = text.replace("\"params\":0", &format!("\"params\":{}", usize::MAX));
+        let mut out = good[..12].to_vec();
+        out.extend_from_slice(&(huge.len() as u32).to_le_bytes());
+        out.extend_from_slice(huge.as_bytes());
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        let e = decode(&out, Path::new("x")).unwrap_err().to_string();
+        assert!(e.contains("does not match the header"), "{e}");
     }
 }

@@ -624,7 +624,23 @@ async fn run_rank<'s, W: Workload>(
             )
         }
         Some((ckpt, meta)) => {
-            let st = checkpoint::read_rank(ckpt, rank)?;
+            // A rank an elastic job had lost when the checkpoint was taken starts from the
+            // lowest held rank's replica with a fresh data shard, as a rejoining rank does.
+            let held = meta
+                .file(rank)
+                .map_or_else(|| meta.files.first().map_or(0, |f| f.rank), |f| f.rank);
+            if held != rank {
+                tracing::info!(
+                    rank,
+                    from = held,
+                    iteration = meta.iteration,
+                    "the checkpoint holds no state of this rank; it starts from rank {held}'s"
+                );
+            }
+            let mut st = checkpoint::read_rank(ckpt, meta, held)?;
+            if held != rank {
+                st.local = w.save_local(&local);
+            }
             if st.params.len() != s.init.params.len() || st.buffers.len() != s.init.buffers.len() {
                 return Err(TrainError::checkpoint(
                     ckpt,
@@ -801,9 +817,7 @@ async fn run_rank<'s, W: Workload>(
             worker.quiesce().await?;
             let e0 = worker.comm().now();
             let now = clock(worker.comm(), excluded);
-            if let Some(c) = write_checkpoint(&mut worker, s, &local, done, samples, now).await? {
-                last_ckpt = Some(c);
-            }
+            last_ckpt = Some(write_checkpoint(&mut worker, s, &local, done, samples, now).await?);
             let e1 = worker.comm().now();
             worker
                 .comm()
@@ -941,8 +955,8 @@ async fn admit_joiners(
     Ok(Some(alive))
 }
 
-/// Writes a checkpoint at `iteration` (see [`checkpoint`]); `None` when it was skipped because
-/// the job has lost a rank.
+/// Writes a checkpoint at `iteration` (see [`checkpoint`]). In an elastic job that has lost
+/// ranks it holds the living ones.
 async fn write_checkpoint<W: Workload>(
     worker: &mut Worker<'_>,
     s: &Shared<'_, W>,
@@ -950,7 +964,7 @@ async fn write_checkpoint<W: Workload>(
     iteration: u64,
     samples: u64,
     train_s: f64,
-) -> Result<Option<PathBuf>, TrainError> {
+) -> Result<PathBuf, TrainError> {
     let rank = worker.comm().rank();
     let dir = &s.cfg.out.join("checkpoints");
     let state = RankState {
@@ -970,34 +984,30 @@ async fn write_checkpoint<W: Workload>(
         .into_vec();
     let any_failed = failed.first().is_some_and(|&x| x > 0.0);
     let mut committed = Ok(dir.clone());
-    // Rank 0's verdict, which the vote below hands to every rank: 0 committed, 1 failed, 2
-    // skipped because the job lost a rank (a checkpoint must hold every rank's part).
-    let mut verdict = 0.0f32;
-    let size = worker.comm().size();
     if rank == 0 {
         if any_failed {
             checkpoint::abandon(dir, iteration);
-        } else if worker.comm().living_ranks().await?.len() < size {
-            checkpoint::abandon(dir, iteration);
-            verdict = 2.0;
         } else {
+            // Every rank that took part in the vote above has its part written; a rank that
+            // died before it is no longer among the living.
+            let held = worker.comm().living_ranks().await?;
             let meta = Meta {
                 format: checkpoint::FORMAT_VERSION,
                 workload: s.w.name().into(),
                 layout: s.init.layout.clone(),
                 algorithm: s.cfg.algo.algorithm.label(),
-                ranks: size,
+                ranks: worker.comm().size(),
                 iteration,
                 seed: s.cfg.seed,
                 samples,
                 train_s,
+                files: Vec::new(),
             };
-            committed = checkpoint::commit(dir, &meta, 2);
-            if committed.is_err() {
-                verdict = 1.0;
-            }
+            committed = checkpoint::commit(dir, meta, &held, 2);
         }
     }
+    // Rank 0's verdict, which every rank learns: 0 committed, 1 failed.
+    let verdict = f32::from(u8::from(committed.is_err()));
     let ok = worker
         .comm()
         .allreduce(Payload::Data(vec![verdict]))
@@ -1006,15 +1016,6 @@ async fn write_checkpoint<W: Workload>(
     mine?;
     // Leave exactly as a resumed run starts: from a double barrier (see `run_rank`).
     worker.quiesce().await?;
-    if ok.first() == Some(&2.0) {
-        tracing::warn!(
-            rank,
-            iteration,
-            "checkpoint skipped: the job has lost a rank, and a checkpoint must hold all {size}; \
-             the last complete one stays the latest"
-        );
-        return Ok(None);
-    }
     if any_failed {
         return Err(TrainError::checkpoint(
             dir,
@@ -1028,5 +1029,5 @@ async fn write_checkpoint<W: Workload>(
             TrainError::checkpoint(dir, "rank 0 could not complete the checkpoint")
         }));
     }
-    committed.map(Some)
+    committed
 }

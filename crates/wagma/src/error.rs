@@ -130,11 +130,11 @@ pub enum Error {
         /// What the transport reported.
         reason: String,
     },
-    /// Elastic mode: the ranks this rank still reaches are no strict majority of the job, or
+    /// Elastic mode: the ranks this rank has not lost are no strict majority of the job, or
     /// do not include rank 0, so it stops rather than train on beside another part of the job
     /// (a partition, or rank 0's loss).
     #[error(
-        "rank {rank}: lost rank {lost}; the {} ranks it still reaches ({alive:?}) are {}, so \
+        "rank {rank}: lost rank {lost}; the {} ranks it has not lost ({alive:?}) are {}, so \
          it stops (elastic runs continue only on the side with rank 0 and a strict majority of \
          the {ranks} ranks)",
         alive.len(),
@@ -145,7 +145,7 @@ pub enum Error {
         rank: Rank,
         /// The rank whose loss broke the quorum.
         lost: Rank,
-        /// The ranks still reached, this one included.
+        /// The ranks not lost so far, this one included.
         alive: Vec<Rank>,
         /// The job's original size.
         ranks: usize,

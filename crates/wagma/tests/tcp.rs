@@ -544,3 +544,44 @@ fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
     assert_eq!(lost.peer, 1);
     assert!(lost.reason.contains("integrity"), "{}", lost.reason);
 }
+
+#[test]
+fn a_peer_that_floods_the_inbox_is_reported_lost() {
+    use wagma::transport::{MAX_QUEUED_PER_PEER, Transport};
+    let cred = Credentials {
+        job_id: "flood".into(),
+        secret: b"flood-secret".to_vec(),
+    };
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(30);
+        c
+    };
+    let dir = TempDir::new("tcp-flood");
+    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    let (tx1, _rx1) = crossbeam_channel::unbounded();
+    let mut t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
+    let t0 = rank0.join().unwrap().unwrap();
+    let recv = || {
+        rx0.recv_timeout(Duration::from_secs(30))
+            .expect("a delivery")
+    };
+    // An engine that takes what arrives keeps the queue short, however much comes.
+    let n = 2 * MAX_QUEUED_PER_PEER as u64;
+    for seq in 0..n {
+        t1.send(0, note(1, seq)).unwrap();
+        let got = recv().expect("a message");
+        assert_eq!(got.tag.seq, seq);
+        t0.taken(got.from);
+    }
+    // One that takes nothing: the reader stops at the bound and reports the peer lost.
+    for seq in 0..=MAX_QUEUED_PER_PEER as u64 {
+        t1.send(0, note(1, n + seq)).unwrap();
+    }
+    for seq in 0..MAX_QUEUED_PER_PEER as u64 {
+        assert_eq!(recv().expect("a message").tag.seq, n + seq);
+    }
+    let lost = recv().expect_err("the flooder is reported lost");
+    assert_eq!(lost.peer, 1);
+    assert!(lost.reason.contains("has not taken in"), "{}", lost.reason);
+}

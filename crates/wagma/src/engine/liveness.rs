@@ -103,27 +103,30 @@ impl Engine {
             return false;
         };
         let timeout = self.cfg.timeout;
-        // A silent watched peer is dead.
-        let silent = (0..l.watched.len()).find(|&p| {
-            !self.rejoining
-                && l.watched[p]
-                && !self.departed[p]
-                && !self.dead[p]
-                && l.last_heard[p].is_some_and(|t| now.saturating_sub(t) > timeout)
-        });
-        if let Some(p) = silent {
-            let since = l.last_heard[p]
-                .map(|t| now.saturating_sub(t))
-                .unwrap_or_default();
+        // A silent watched peer is dead; in elastic mode, every one of them at once (one
+        // left for the next tick could time out an operation first).
+        let silent: Vec<(Rank, Duration)> = (0..l.watched.len())
+            .filter(|&p| !self.rejoining && l.watched[p] && !self.departed[p] && !self.dead[p])
+            .filter_map(|p| {
+                let since = now.saturating_sub(l.last_heard[p]?);
+                (since > timeout).then_some((p, since))
+            })
+            .collect();
+        for (p, since) in silent {
             let reason = format!("silent for {:.1} s", since.as_secs_f64());
-            if self.cfg.elastic {
-                let (_, context) = self.blame(p);
-                self.declare_dead(now, p, &format!("{reason}{context}"), out);
-                return self.failed.is_some();
+            if !self.cfg.elastic {
+                self.on_peer_lost(now, p, &reason, out);
+                return true;
             }
-            self.on_peer_lost(now, p, &reason, out);
-            return true;
+            let (_, context) = self.blame(p);
+            self.declare_dead(now, p, &format!("{reason}{context}"), out);
+            if self.failed.is_some() {
+                return true;
+            }
         }
+        let Some(l) = self.liveness.as_mut() else {
+            return false;
+        };
         for (p, w) in l.watched.iter().enumerate() {
             if *w && l.last_heard[p].is_none() {
                 l.last_heard[p] = Some(now);

@@ -225,6 +225,9 @@ pub struct EngineStats {
     /// Dead peers that restarted and asked to rejoin (elastic mode), in rank order.
     #[serde(default)]
     pub joining: Vec<Rank>,
+    /// Messages from peers declared dead, dropped on arrival (elastic mode).
+    #[serde(default)]
+    pub dropped_from_dead: u64,
 }
 
 /// The progress engine of one rank.
@@ -356,8 +359,10 @@ impl Engine {
                         rank: self.rank,
                         steps,
                     }];
+                    // A collective's schedule is the caller's: its group is at most the job.
                     self.start(
                         now,
+                        (0..self.ranks).collect(),
                         Owner::Request(id),
                         op,
                         kind,
@@ -418,6 +423,16 @@ impl Engine {
         }
         self.stats.messages_received += 1;
         self.stats.bytes_received += env.data.bytes() as u64;
+        let from = env.from;
+        if env.tag.kind != Kind::Control
+            && self.dead.get(from).copied().unwrap_or(false)
+            && !self.joining.get(from).copied().unwrap_or(false)
+        {
+            // What a dead peer's old incarnation still had in flight serves nothing (its
+            // replacement announces itself, a control message, before sending anything else).
+            self.stats.dropped_from_dead += 1;
+            return;
+        }
         let beat = (env.tag.kind == Kind::Control && env.tag.step == liveness::CONTROL_HEARTBEAT)
             .then_some(env.meta.aux);
         self.heard_from(now, env.from, beat);
@@ -427,8 +442,13 @@ impl Engine {
             Kind::Pair if env.tag.step == 0 => {
                 if self.passive.is_some() {
                     self.on_pair_request(env, out);
-                } else {
-                    self.early_pairs.push(env);
+                } else if let Some(flooder) = self.keep_early_pair(env) {
+                    let reason = format!(
+                        "it sent more than {MAX_KEPT_PER_PEER} averaging requests before this \
+                         rank became passive"
+                    );
+                    self.on_peer_lost(now, flooder, &reason, out);
+                    return;
                 }
             }
             _ => match self.deliver(env) {
@@ -514,8 +534,10 @@ impl Engine {
             .as_ref()
             .and_then(Error::peer)
             .map_or(0, |p| p as u64 + 1);
+        // A peer declared dead hears nothing more (only a restarted one waiting to be
+        // admitted needs to know that this rank left).
         let msgs = (0..self.ranks)
-            .filter(|&p| p != self.rank)
+            .filter(|&p| p != self.rank && (!self.dead[p] || self.joining[p]))
             .map(|p| {
                 let meta = Meta {
                     aux: if abort { culprit } else { 0 },
@@ -630,6 +652,21 @@ impl Engine {
             .iter()
             .find(|r| now.saturating_sub(r.started) >= timeout)
         {
+            let missing = r.missing();
+            if self.cfg.elastic && !missing.is_empty() {
+                // A peer that has delivered nothing for an operation in a whole timeout is
+                // as good as dead to it, even if its heartbeats arrived until a moment ago
+                // (a partition that began during the operation): continue without it.
+                let reason = format!(
+                    "{} received nothing from it within {:.1} s",
+                    r.op,
+                    timeout.as_secs_f64()
+                );
+                for p in missing {
+                    self.declare_dead(now, p, &reason, out);
+                }
+                return;
+            }
             let err = Error::Timeout {
                 rank: self.rank,
                 op: r.op.clone(),
@@ -763,10 +800,25 @@ impl Engine {
         None
     }
 
+    /// Keeps an averaging request that arrived before this rank became passive, unless its
+    /// sender already has [`MAX_KEPT_PER_PEER`] waiting (then returns the sender). A correct
+    /// active peer waits for the answer to each request, so it has at most one.
+    fn keep_early_pair(&mut self, env: Envelope) -> Option<Rank> {
+        let from = env.from;
+        if self.early_pairs.iter().filter(|e| e.from == from).count() >= MAX_KEPT_PER_PEER {
+            return Some(from);
+        }
+        self.early_pairs.push(env);
+        None
+    }
+
+    /// Starts `schedule`, a sum over the group `members` (the ranks a peer's contribution list
+    /// may name).
     #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,
         now: Time,
+        members: Vec<Rank>,
         owner: Owner,
         op: Op,
         kind: Kind,
@@ -777,6 +829,7 @@ impl Engine {
         contributions: Vec<Contribution>,
     ) {
         self.running.push(Running::new(
+            members,
             owner,
             op,
             kind,

@@ -39,6 +39,8 @@ pub(super) struct Running {
     /// Carried and merged only for group rounds, where passive members make them informative.
     contributions: Vec<Contribution>,
     track: bool,
+    /// The group the schedule sums over, sorted: the only ranks a contribution list may name.
+    members: Vec<Rank>,
     got: Vec<Option<Envelope>>,
     /// Receive slots of the current phase whose peer is dead (elastic mode): satisfied empty.
     absent: Vec<bool>,
@@ -53,6 +55,7 @@ pub(super) struct Running {
 impl Running {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
+        members: Vec<Rank>,
         owner: Owner,
         op: Op,
         kind: Kind,
@@ -64,6 +67,10 @@ impl Running {
         started: Time,
         track_all: bool,
     ) -> Running {
+        let track = kind == Kind::Round || track_all;
+        let mut members = members;
+        members.sort_unstable();
+        members.dedup();
         Running {
             owner,
             op,
@@ -76,7 +83,8 @@ impl Running {
             buf: WorkBuf::new(buf),
             weight,
             contributions,
-            track: kind == Kind::Round || track_all,
+            track,
+            members,
             got: Vec::new(),
             absent: Vec::new(),
             waiting: 0,
@@ -158,6 +166,25 @@ impl Running {
                 remote: usize::try_from(env.meta.total_len).unwrap_or(usize::MAX),
             });
         }
+        if self.track
+            && let Some(bad) = self.foreign_contribution(&env.meta.contributions)
+        {
+            // A peer may only report members of this group, each once: otherwise it would
+            // inflate the divisor of an average.
+            return Err(Error::Protocol {
+                rank,
+                op: self.op.clone(),
+                detail: format!(
+                    "peer {} reported contributions {:?}; {bad}",
+                    env.from,
+                    env.meta
+                        .contributions
+                        .iter()
+                        .map(|c| c.rank)
+                        .collect::<Vec<_>>(),
+                ),
+            });
+        }
         if env.data.len() != expect {
             return Err(Error::Protocol {
                 rank,
@@ -171,6 +198,23 @@ impl Running {
             });
         }
         Ok(())
+    }
+
+    /// What is wrong with a peer's contribution list, if anything: a rank outside this
+    /// schedule's members, or ranks not strictly ascending (a rank counted twice).
+    fn foreign_contribution(&self, list: &[Contribution]) -> Option<String> {
+        if let Some(c) = list
+            .iter()
+            .find(|c| self.members.binary_search(&c.rank).is_err())
+        {
+            return Some(format!(
+                "rank {} is not among the members {:?}",
+                c.rank, self.members
+            ));
+        }
+        list.windows(2)
+            .any(|w| w[0].rank >= w[1].rank)
+            .then(|| "the ranks are not strictly ascending".to_string())
     }
 
     /// Runs phases as far as the received messages allow; `Ok(true)` when finished.

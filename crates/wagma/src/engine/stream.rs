@@ -229,7 +229,7 @@ impl Stream {
 /// stream's epoch, so that messages of a closed stream never match the next one.
 const ROUND_BITS: u32 = 48;
 
-fn stream_seq(epoch: u64, round: u64) -> u64 {
+pub(super) fn stream_seq(epoch: u64, round: u64) -> u64 {
     (epoch << ROUND_BITS) | (round & ((1 << ROUND_BITS) - 1))
 }
 
@@ -466,13 +466,30 @@ impl Engine {
             self.fail(err, out);
             return;
         }
+        let early = self.stream.is_none() || epoch > self.epoch();
+        if early
+            && self.early_activations.len() >= super::MAX_KEPT_PER_PEER
+            && !self.early_activations.contains(&(epoch, round))
+        {
+            // A correct job activates at most a few rounds of a stream this rank has not
+            // opened yet; nor is the flood forwarded.
+            let reason = format!(
+                "it activated more than {} rounds of streams this rank has not opened",
+                super::MAX_KEPT_PER_PEER
+            );
+            self.on_peer_lost(now, env.from, &reason, out);
+            return;
+        }
         self.forward_activation(now, env.tag.seq, root, Some(u32::from(env.tag.step)), out);
         self.activate(now, epoch, round, out);
     }
 
     fn activate(&mut self, now: Time, epoch: u64, round: u64, out: &mut Vec<Action>) {
         if self.stream.is_none() || epoch > self.epoch() {
-            self.early_activations.push((epoch, round));
+            // Several forwarders may activate the same round: keep it once.
+            if !self.early_activations.contains(&(epoch, round)) {
+                self.early_activations.push((epoch, round));
+            }
             return;
         }
         if epoch < self.epoch() {
@@ -552,6 +569,7 @@ impl Engine {
         let epoch = self.epoch();
         self.start(
             now,
+            members,
             Owner::Stream { epoch, round },
             op,
             kind,

@@ -521,30 +521,254 @@ fn a_joiner_stops_waiting_when_every_peer_has_left() {
     }
 }
 
-#[test]
-fn a_peer_that_floods_unexpected_messages_is_lost_not_stored() {
+/// Rank 0 of 2 after rank 1 sent one message of `kind` more than [`MAX_KEPT_PER_PEER`], each
+/// of its own sequence number (as `msg` builds them); checks that rank 1 was declared lost
+/// with a reason containing `says`, and returns the engine.
+fn flooded(msg: impl Fn(u64) -> Envelope, says: &str) -> Engine {
     let mut e = Engine::new(0, 2, EngineConfig::default());
     let mut out = Vec::new();
     for seq in 0..=MAX_KEPT_PER_PEER as u64 {
-        let env = Envelope {
-            from: 1,
-            tag: Tag {
-                kind: Kind::Exchange,
-                seq,
-                step: 0,
-            },
-            meta: Meta::default(),
-            data: Payload::Data(vec![1.0]),
-        };
-        e.on_message(Duration::ZERO, env, &mut out);
+        e.on_message(Duration::ZERO, msg(seq), &mut out);
     }
-    assert!(e.unexpected.len() <= MAX_KEPT_PER_PEER);
     match &e.failed {
         Some(Error::PeerLost {
             peer: 1, reason, ..
+        }) => assert!(reason.contains(says), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    e
+}
+
+/// A one-element message of `kind` and `seq` from rank 1.
+fn from_rank_1(kind: Kind, seq: u64) -> Envelope {
+    Envelope {
+        from: 1,
+        tag: Tag { kind, seq, step: 0 },
+        meta: Meta::default(),
+        data: Payload::Data(vec![1.0]),
+    }
+}
+
+#[test]
+fn a_peer_that_floods_unexpected_messages_is_lost_not_stored() {
+    let e = flooded(
+        |seq| from_rank_1(Kind::Exchange, seq),
+        "no operation expects",
+    );
+    assert!(e.unexpected.len() <= MAX_KEPT_PER_PEER);
+}
+
+/// A message of rank `from` for step 0 of collective `seq` over one element, reporting
+/// `contributions`.
+fn contribution_msg(from: Rank, seq: u64, contributions: &[Rank]) -> Envelope {
+    Envelope {
+        from,
+        tag: Tag {
+            kind: Kind::Collective,
+            seq,
+            step: 0,
+        },
+        meta: Meta {
+            total_len: 1,
+            contributions: contributions
+                .iter()
+                .map(|&rank| Contribution { rank, steps: 1 })
+                .collect(),
+            ..Meta::default()
+        },
+        data: Payload::Data(vec![5.0]),
+    }
+}
+
+/// An elastic engine of rank 0 among 2 (contribution lists are tracked) running a sum with
+/// rank 1, answered by `reply`: the outcome of request 1.
+fn sum_with_rank_1(reply: Envelope) -> Result<Response, Error> {
+    let mut e = Engine::new(0, 2, elastic());
+    let mut out = Vec::new();
+    let run = Request::Run {
+        kind: Kind::Collective,
+        seq: 7,
+        schedule: crate::schedule::exchange_among(0, [0, 1], 1),
+        data: Payload::Data(vec![1.0]),
+        weight: 0.0,
+        steps: 1,
+    };
+    e.on_request(Duration::ZERO, 1, run, &mut out);
+    e.on_message(Duration::ZERO, reply, &mut out);
+    out.into_iter()
+        .find_map(|a| match a {
+            Action::Complete { id: 1, result } => Some(result),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("request 1 not completed"))
+}
+
+#[test]
+fn contribution_lists_naming_ranks_outside_the_job_or_twice_are_refused() {
+    // The honest answer: the sum and both members.
+    match sum_with_rank_1(contribution_msg(1, 7, &[1])) {
+        Ok(Response::Data {
+            data,
+            contributions,
+            ..
         }) => {
-            assert!(reason.contains("no operation expects"), "{reason}");
+            assert_eq!(data.as_slice(), &[6.0]);
+            let ranks: Vec<Rank> = contributions.iter().map(|c| c.rank).collect();
+            assert_eq!(ranks, [0, 1]);
         }
+        other => panic!("{other:?}"),
+    }
+    // Rank 1 claims a rank the job does not have (which would make the divisor 3), or counts
+    // itself twice: a typed error, never a sum averaged over the wrong count.
+    for (lie, says) in [
+        (&[1, 2][..], "not among the members"),
+        (&[1, 1], "ascending"),
+    ] {
+        match sum_with_rank_1(contribution_msg(1, 7, lie)) {
+            Err(Error::Protocol { detail, .. }) => assert!(detail.contains(says), "{detail}"),
+            other => panic!("{lie:?}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_group_round_refuses_contributions_from_outside_the_group() {
+    let mut net = Net::new(8);
+    open(&mut net, 4, 2);
+    arrive(&mut net, 0, 0, 100.0);
+    // Rank 0's group in round 0 is {0, 1, 2, 3}; every message reaching it claims rank 5 too.
+    while let Some((to, mut env)) = net.wire.pop_front() {
+        if to == 0 && env.tag.kind == Kind::Round {
+            env.meta
+                .contributions
+                .push(Contribution { rank: 5, steps: 1 });
+            env.meta.contributions.sort_by_key(|c| c.rank);
+        }
+        let mut out = Vec::new();
+        net.engines[to].on_message(Duration::ZERO, env, &mut out);
+        net.absorb(to, out);
+    }
+    let (_, _, result) = net
+        .done
+        .iter()
+        .find(|(r, id, _)| *r == 0 && *id == 0)
+        .expect("rank 0's round completes");
+    match result {
+        Err(Error::Protocol { detail, .. }) => {
+            assert!(
+                detail.contains("rank 5 is not among the members [0, 1, 2, 3]"),
+                "{detail}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn messages_of_a_dead_peer_are_dropped_until_it_announces_a_rejoin() {
+    let mut e = Engine::new(0, 4, elastic());
+    let mut out = Vec::new();
+    e.on_peer_lost(Duration::ZERO, 3, "killed", &mut out);
+    assert_eq!(e.dead(), [3]);
+    // Its old incarnation's messages, still in flight, are neither kept nor counted.
+    for seq in 0..5 {
+        e.on_message(Duration::ZERO, contribution_msg(3, seq, &[3]), &mut out);
+    }
+    assert!(e.unexpected.is_empty());
+    assert_eq!(e.stats.dropped_from_dead, 5);
+    // Its replacement announces itself first; what it sends next is kept for the collective
+    // that will admit it.
+    let join =
+        Engine::new(3, 4, elastic()).control(join::CONTROL_JOIN, Meta::default(), Payload::Size(0));
+    e.on_message(Duration::ZERO, join, &mut out);
+    e.on_message(Duration::ZERO, contribution_msg(3, 9, &[3]), &mut out);
+    assert_eq!(e.unexpected.len(), 1);
+    assert_eq!(e.stats.dropped_from_dead, 5);
+    assert!(e.failed.is_none());
+}
+
+#[test]
+fn a_flood_of_activations_for_unopened_streams_is_lost_not_stored() {
+    // Repeats of one round are kept once.
+    let mut e = Engine::new(0, 2, EngineConfig::default());
+    for _ in 0..10 {
+        let env = activation(1, stream::stream_seq(1, 0));
+        e.on_message(Duration::ZERO, env, &mut Vec::new());
+    }
+    assert_eq!(e.early_activations.len(), 1);
+    let e = flooded(
+        |round| activation(1, stream::stream_seq(1, round)),
+        "not opened",
+    );
+    assert!(e.early_activations.len() <= MAX_KEPT_PER_PEER);
+}
+
+#[test]
+fn a_flood_of_averaging_requests_before_the_rank_is_passive_is_lost_not_stored() {
+    let e = flooded(|seq| from_rank_1(Kind::Pair, seq), "averaging requests");
+    assert!(e.early_pairs.len() <= MAX_KEPT_PER_PEER);
+}
+
+/// An activation of round `seq` rooted at `from`, as `from` sends it.
+fn activation(from: Rank, seq: u64) -> Envelope {
+    Envelope {
+        from,
+        tag: Tag {
+            kind: Kind::Activation,
+            seq,
+            step: 0,
+        },
+        meta: Meta {
+            aux: from as u64,
+            ..Meta::default()
+        },
+        data: Payload::Size(0),
+    }
+}
+
+#[test]
+fn an_elastic_operation_that_times_out_continues_without_the_peers_it_waits_for() {
+    let cfg = EngineConfig {
+        heartbeat: Some(Duration::from_secs(1)),
+        timeout: Duration::from_secs(10),
+        ..elastic()
+    };
+    let mut e = Engine::new(0, 3, cfg);
+    let mut out = Vec::new();
+    let run = Request::Run {
+        kind: Kind::Collective,
+        seq: 7,
+        schedule: crate::schedule::exchange_among(0, [0, 1, 2], 1),
+        data: Payload::Data(vec![1.0]),
+        weight: 0.0,
+        steps: 1,
+    };
+    e.on_request(Duration::ZERO, 1, run, &mut out);
+    e.on_message(Duration::ZERO, contribution_msg(1, 7, &[1]), &mut out);
+    // Rank 2's heartbeats keep coming (its data does not: a partition of the data path, or a
+    // peer stuck elsewhere), so liveness alone would not give up on it before the timeout.
+    let beat = || {
+        Engine::new(2, 3, cfg).control(
+            liveness::CONTROL_HEARTBEAT,
+            Meta::default(),
+            Payload::Size(0),
+        )
+    };
+    for t in 1..10 {
+        e.on_message(Duration::from_secs(t), beat(), &mut out);
+        e.on_tick(Duration::from_secs(t), &mut out);
+    }
+    assert!(
+        !out.iter()
+            .any(|a| matches!(a, Action::Complete { id: 1, .. }))
+    );
+    e.on_tick(Duration::from_secs(10), &mut out);
+    assert_eq!(e.dead(), [2]);
+    match out.into_iter().find_map(|a| match a {
+        Action::Complete { id: 1, result } => Some(result),
+        _ => None,
+    }) {
+        Some(Ok(Response::Data { data, .. })) => assert_eq!(data.as_slice(), &[6.0]),
         other => panic!("{other:?}"),
     }
 }

@@ -167,7 +167,10 @@ fn engine_loop(
                 }
             },
             recv(inbox_ref) -> msg => match msg {
-                Ok(Ok(env)) => engine.on_message(start.elapsed(), env, &mut out),
+                Ok(Ok(env)) => {
+                    transport.taken(env.from);
+                    engine.on_message(start.elapsed(), env, &mut out);
+                }
                 Ok(Err(lost)) => {
                     unreachable.reported(lost.peer);
                     engine.on_peer_lost(start.elapsed(), lost.peer, &lost.reason, &mut out);
@@ -232,6 +235,7 @@ fn leave(
     abort: bool,
     slots: &mut HashMap<ReqId, Arc<Slot>>,
 ) {
+    transport.leaving();
     for (to, env) in engine.farewell(abort) {
         let _ = transport.send(to, env);
     }

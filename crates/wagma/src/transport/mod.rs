@@ -24,6 +24,12 @@ pub use message::{Contribution, Envelope, Kind, Meta, Tag};
 /// The default largest frame a transport accepts (2 GiB: a 512 Mi-parameter model).
 pub const DEFAULT_MAX_FRAME: u64 = 1 << 31;
 
+/// Most messages of one peer that a transport's threads hold in the inbox before the engine
+/// takes them. The engine takes messages as fast as they come unless a write blocks it (at
+/// most the write timeout), when a correct peer sends little more than heartbeats; a peer
+/// beyond this is reported lost.
+pub const MAX_QUEUED_PER_PEER: usize = 4096;
+
 /// A broken connection or a peer that went away.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lost {
@@ -50,5 +56,16 @@ pub trait Transport {
     /// How often [`Transport::poll`] must be called while idle; `None` when never.
     fn poll_interval(&self) -> Option<Duration> {
         None
+    }
+
+    /// The rank is about to send its farewells and stop: a transport whose writes can block
+    /// shortens how long, so that a peer that cannot be reached (a partition) does not hold
+    /// the rank's exit for a whole write timeout each. The default does nothing.
+    fn leaving(&mut self) {}
+
+    /// The engine took a message of `from` out of the inbox. Transports whose threads fill
+    /// the inbox count here what each peer has waiting, to bound it; the default does nothing.
+    fn taken(&self, from: Rank) {
+        let _ = from;
     }
 }

@@ -17,7 +17,7 @@ mod rendezvous;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -27,7 +27,7 @@ use handshake::{Deadlined, Session};
 use integrity::FrameMac;
 
 use super::frame::{read_frame, write_frame};
-use super::{Envelope, Incoming, Lost, Transport};
+use super::{Envelope, Incoming, Lost, MAX_QUEUED_PER_PEER, Transport};
 use crate::Rank;
 use crate::error::{ConfigError, TransportError};
 
@@ -296,9 +296,32 @@ pub struct TcpTransport {
     /// Connections of rejoined peers accepted since the last send, waiting to be used.
     adopted: Arc<rejoin::Adopted>,
     max_frame: u64,
+    /// Per peer: messages its readers put in the inbox that the engine has not taken yet.
+    queued: Arc<[AtomicUsize]>,
 }
 
+/// How long a farewell may block on a peer's full connection.
+const FAREWELL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
 impl Transport for TcpTransport {
+    fn leaving(&mut self) {
+        self.adopted.take_into(&mut self.writers);
+        for w in self.writers.iter().flatten() {
+            let _ = w
+                .out
+                .get_ref()
+                .set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
+        }
+    }
+
+    fn taken(&self, from: Rank) {
+        if let Some(q) = self.queued.get(from) {
+            // Saturating: a message counted by an earlier reader of a rejoined peer is still
+            // taken once.
+            let _ = q.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        }
+    }
+
     fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError> {
         self.adopted.take_into(&mut self.writers);
         let w = self
@@ -543,8 +566,10 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         io_timeout: cfg.io_timeout,
         max_frame: cfg.max_frame_bytes,
         connected: (0..p).map(|_| AtomicBool::new(false)).collect(),
+        queued: (0..p).map(|_| AtomicUsize::new(0)).collect(),
         integrity: cfg.frame_integrity,
     };
+    let queued = Arc::clone(&link.queued);
     let mut writers = Vec::with_capacity(p);
     for (peer, st) in streams.into_iter().enumerate() {
         writers.push(match st {
@@ -567,6 +592,7 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         writers,
         adopted,
         max_frame: cfg.max_frame_bytes,
+        queued,
     })
 }
 
@@ -649,6 +675,9 @@ struct Link {
     max_frame: u64,
     /// Per peer: whether a reader delivers from it now.
     connected: Arc<[AtomicBool]>,
+    /// Per peer: messages in the inbox not taken by the engine yet (see
+    /// [`MAX_QUEUED_PER_PEER`]).
+    queued: Arc<[AtomicUsize]>,
     /// Frames carry integrity tags.
     integrity: bool,
 }
@@ -696,6 +725,7 @@ impl Link {
     fn read(&self, peer: Rank, reader: Reader) -> Result<(), TransportError> {
         let (me, max, inbox) = (self.me, self.max_frame, self.inbox.clone());
         let connected = Arc::clone(&self.connected);
+        let queued = Arc::clone(&self.queued);
         if let Some(c) = connected.get(peer) {
             c.store(true, Ordering::Release);
         }
@@ -726,6 +756,15 @@ impl Link {
                             break "a frame with a virtual payload".to_string();
                         }
                         Ok(Some(env)) if env.from == peer => {
+                            let waiting = queued
+                                .get(peer)
+                                .map_or(0, |q| q.fetch_add(1, Ordering::AcqRel));
+                            if waiting >= MAX_QUEUED_PER_PEER {
+                                break format!(
+                                    "it sent more than {MAX_QUEUED_PER_PEER} messages that this \
+                                     rank's engine has not taken in"
+                                );
+                            }
                             if inbox.send(Ok(env)).is_err() {
                                 return;
                             }
