@@ -373,6 +373,23 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
         .err()
         .expect("a live rank cannot be replaced");
     assert!(e.to_string().contains("alive"), "{e}");
+    // ...and the living rank keeps its connection: messages still flow both ways.
+    ranks[0].0.send(2, note(0, 5)).unwrap();
+    assert_eq!(
+        recv(&ranks[2].1)
+            .expect("rank 2 still hears rank 0")
+            .tag
+            .seq,
+        5
+    );
+    ranks[2].0.send(0, note(2, 6)).unwrap();
+    assert_eq!(
+        recv(&ranks[0].1)
+            .expect("rank 0 still hears rank 2")
+            .tag
+            .seq,
+        6
+    );
     // Rank 2 goes away; its peers see the connection close.
     drop(ranks.pop());
     for (_, rx) in &ranks {
@@ -380,6 +397,14 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
     }
     // Rank 0 serves the rendezvous and cannot be the one that rejoins.
     assert!(open(cfg(0, true)).is_err());
+    // A rejoin whose registered address is not where its connection comes from (it listens
+    // on 127.0.0.2 and calls from 127.0.0.1) is refused.
+    let mut elsewhere = cfg(2, true);
+    elsewhere.bind = Some(std::net::Ipv4Addr::new(127, 0, 0, 2).into());
+    let e = open(elsewhere)
+        .err()
+        .expect("an address that is not the caller's is refused");
+    assert!(e.to_string().contains("but calls from 127.0.0.1"), "{e}");
     // A new process takes over rank 2: messages flow both ways on the new connections.
     let (mut joiner, rx2) = open(cfg(2, true)).expect("rejoin");
     for (peer, (t, rx)) in ranks.iter_mut().enumerate() {
@@ -508,24 +533,58 @@ fn a_secret_file_others_can_read_is_refused() {
     );
 }
 
-#[test]
-fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
-    use wagma::transport::Transport;
+/// A job of two ranks in this process, each configured by `tweak`: rank 0's transport and
+/// inbox, and rank 1's transport.
+fn two_ranks(
+    name: &str,
+    tweak: impl Fn(&mut TcpConfig),
+) -> (
+    wagma::transport::tcp::TcpTransport,
+    crossbeam_channel::Receiver<wagma::transport::Incoming>,
+    wagma::transport::tcp::TcpTransport,
+) {
     let cred = Credentials {
-        job_id: "tagged".into(),
-        secret: b"tagged-secret".to_vec(),
+        job_id: name.into(),
+        secret: format!("{name}-secret").into_bytes(),
     };
     let config = |rank: usize, rdv: &str| {
         let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
         c.connect_timeout = Duration::from_secs(30);
-        c.frame_integrity = true;
+        tweak(&mut c);
         c
     };
-    let dir = TempDir::new("tcp-tagged");
+    let dir = TempDir::new(&format!("tcp-{name}"));
     let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
     let (tx1, _rx1) = crossbeam_channel::unbounded();
-    let mut t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
-    let _t0 = rank0.join().unwrap().unwrap();
+    let t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
+    let t0 = rank0.join().unwrap().unwrap();
+    (t0, rx0, t1)
+}
+
+#[test]
+fn a_virtual_payload_from_a_peer_ends_the_connection() {
+    use wagma::transport::Transport;
+    let (_t0, rx0, mut t1) = two_ranks("virtual", |_| {});
+    // A length without values would turn the receiver's sums into no-ops. The sender refuses
+    // to send one; written anyway, the receiver refuses it.
+    let mut env = note(1, 3);
+    env.data = Payload::Size(3);
+    assert!(t1.send(0, env.clone()).is_err());
+    let mut bytes = Vec::new();
+    wagma::transport::frame::write_frame(&mut bytes, &env, 1 << 20).unwrap();
+    t1.inject_raw(0, &bytes).unwrap();
+    let lost = rx0
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a delivery")
+        .expect_err("the connection is reported lost");
+    assert_eq!(lost.peer, 1);
+    assert!(lost.reason.contains("virtual payload"), "{}", lost.reason);
+}
+
+#[test]
+fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
+    use wagma::transport::Transport;
+    let (_t0, rx0, mut t1) = two_ranks("tagged", |c| c.frame_integrity = true);
     let recv = || {
         rx0.recv_timeout(Duration::from_secs(10))
             .expect("a delivery")
@@ -548,20 +607,7 @@ fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
 #[test]
 fn a_peer_that_floods_the_inbox_is_reported_lost() {
     use wagma::transport::{MAX_QUEUED_PER_PEER, Transport};
-    let cred = Credentials {
-        job_id: "flood".into(),
-        secret: b"flood-secret".to_vec(),
-    };
-    let config = |rank: usize, rdv: &str| {
-        let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
-        c.connect_timeout = Duration::from_secs(30);
-        c
-    };
-    let dir = TempDir::new("tcp-flood");
-    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
-    let (tx1, _rx1) = crossbeam_channel::unbounded();
-    let mut t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
-    let t0 = rank0.join().unwrap().unwrap();
+    let (t0, rx0, mut t1) = two_ranks("flood", |_| {});
     let recv = || {
         rx0.recv_timeout(Duration::from_secs(30))
             .expect("a delivery")
@@ -584,4 +630,58 @@ fn a_peer_that_floods_the_inbox_is_reported_lost() {
     let lost = recv().expect_err("the flooder is reported lost");
     assert_eq!(lost.peer, 1);
     assert!(lost.reason.contains("has not taken in"), "{}", lost.reason);
+}
+
+#[test]
+fn a_stalled_peer_delays_only_what_goes_to_it() {
+    use wagma::transport::{Envelope, Incoming, Kind, Meta, Tag, Transport};
+    let cred = Credentials {
+        job_id: "stalled".into(),
+        secret: b"stalled-secret".to_vec(),
+    };
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(30);
+        c.io_timeout = Duration::from_secs(2);
+        c
+    };
+    let dir = TempDir::new("tcp-stalled");
+    let (rank0, _rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    // Rank 1's engine never takes anything: once its one-message inbox is full its reader
+    // stops reading, and rank 0's connection to it fills up.
+    let (tx1, rx1) = crossbeam_channel::bounded::<Incoming>(1);
+    let c1 = config(1, &rdv);
+    let rank1 = std::thread::spawn(move || wagma::transport::tcp::connect(&c1, tx1));
+    let (tx2, rx2) = crossbeam_channel::unbounded::<Incoming>();
+    let _t2 = wagma::transport::tcp::connect(&config(2, &rdv), tx2).unwrap();
+    let _t1 = rank1.join().unwrap().unwrap();
+    let mut t0 = rank0.join().unwrap().unwrap();
+    let mut model = Payload::Data(vec![0.5; 1 << 18]);
+    let frame = |seq: u64, data: Payload| Envelope {
+        from: 0,
+        tag: Tag {
+            kind: Kind::Collective,
+            seq,
+            step: 0,
+        },
+        meta: Meta::default(),
+        data,
+    };
+    let mut stalled = None;
+    for seq in 0..10_000 {
+        if let Err(e) = t0.send(1, frame(seq, model.view(0..1 << 18))) {
+            stalled = Some(e.to_string());
+            break;
+        }
+    }
+    let stalled = stalled.expect("a peer that reads nothing cannot take frames forever");
+    assert!(stalled.contains("took no frame"), "{stalled}");
+    // Rank 2 still gets what rank 0 sends it.
+    t0.send(2, note(0, 7)).unwrap();
+    let got = rx2
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a delivery")
+        .expect("a message");
+    assert_eq!((got.from, got.tag.seq), (0, 7));
+    drop(rx1);
 }

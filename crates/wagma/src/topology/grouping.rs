@@ -16,10 +16,13 @@
 //!   a deterministic local search (seeded, integer only, so every rank computes the same table)
 //!   finds R partitions whose every cyclic window of R rounds mixes. The search starts at the
 //!   lower bound below, so when it succeeds there the schedule is optimal. For S = 2 and
-//!   P = 28, 29, 30, 31, 38 and 40, where the local search stops a round above the bound, pair
-//!   schedules found offline reach it (`PAIR_SCHEDULES`, checked before use). So every P <= 40
-//!   with every S reaches the bound (checked by `tests/topology.rs`) except S = 2 with P = 26:
-//!   one round more (whether 5 rounds can mix in every rotation there is open). Between 41 and 64 ranks it finds the bound for most S and one or two rounds
+//!   P = 26, 28, 29, 30, 31, 38 and 40, where the local search stops a round above the bound,
+//!   pair schedules found offline reach it (`PAIR_SCHEDULES`, checked before use). P = 26 has
+//!   no period-5 schedule among the circulant bipartite ones (round t pairs `x < 13` with
+//!   `13 + (x + o_t) mod 13`, Knödel's gossip graphs), but one of period 4 whose every window
+//!   of 5 consecutive rounds mixes; so the window can exceed the period. Every P <= 40 with
+//!   every S reaches the bound (checked by `tests/topology.rs`). Between 41 and 64 ranks it
+//!   finds the bound for most S and one or two rounds
 //!   more for some S <= 4 (P = 60, S = 4: 4 rounds for a bound of 3, where the merged radix
 //!   needs 6). The P = 7, S = 4 table is, for example, 2 rounds where the old mixed radix
 //!   needed 4. The search costs up to about a second (optimized build) for the hardest P, once
@@ -152,8 +155,11 @@ enum Layout {
     /// Mixed radix (digit 0 least significant); `exact` when the product is P.
     Radix { radices: Vec<usize>, exact: bool },
     /// A searched periodic schedule: `rounds[t mod rounds.len()]` is round t's partition, and
-    /// every cyclic window of `rounds.len()` rounds mixes.
-    Table { rounds: Vec<Vec<Vec<Rank>>> },
+    /// every `window` consecutive rounds mix.
+    Table {
+        rounds: Vec<Vec<Vec<Rank>>>,
+        window: usize,
+    },
 }
 
 /// Partition of the P ranks into groups, per round.
@@ -192,7 +198,7 @@ impl Grouping {
                     exact: true,
                 },
                 None => match searched_schedule(ranks, group_size) {
-                    Some(rounds) => Layout::Table { rounds },
+                    Some((rounds, window)) => Layout::Table { rounds, window },
                     None => Layout::Radix {
                         radices: truncated_radices(ranks, m, group_size),
                         exact: false,
@@ -276,7 +282,7 @@ impl Grouping {
                     merge_short_groups(groups, radix, self.group_size)
                 }
             }
-            Layout::Table { rounds } => rounds[(round % rounds.len() as u64) as usize].clone(),
+            Layout::Table { rounds, .. } => rounds[(round % rounds.len() as u64) as usize].clone(),
         }
     }
 
@@ -322,7 +328,7 @@ impl Grouping {
             } else {
                 2 * radices.len()
             }),
-            Layout::Table { rounds } => Some(rounds.len()),
+            Layout::Table { window, .. } => Some(*window),
         }
     }
 
@@ -381,16 +387,17 @@ const SEARCH_WORK: usize = 600_000_000;
 /// Window lengths tried above the lower bound before giving up on the search.
 const SEARCH_SLACK: usize = 2;
 
-/// Sum over the cyclic windows of `rounds` of the (rank, rank) pairs not yet mixed at its end:
+/// Sum over the windows of `window` consecutive rounds of the periodic schedule `rounds`, one
+/// starting at each round of the period, of the (rank, rank) pairs not yet mixed at its end:
 /// zero when every window mixes. `rounds[k][g]` lists group g of round k; `p <= 64`.
-fn unmixed_pairs(p: usize, rounds: &[Vec<Vec<Rank>>]) -> u32 {
+fn unmixed_pairs(p: usize, rounds: &[Vec<Vec<Rank>>], window: usize) -> u32 {
     let mut seen = [0u64; SEARCH_MAX_RANKS];
     let mut total = 0;
     for start in 0..rounds.len() {
         for (r, s) in seen.iter_mut().enumerate().take(p) {
             *s = 1 << r;
         }
-        for k in 0..rounds.len() {
+        for k in 0..window {
             for group in &rounds[(start + k) % rounds.len()] {
                 let union = group.iter().fold(0, |u, &m| u | seen[m]);
                 for &m in group {
@@ -407,7 +414,8 @@ fn unmixed_pairs(p: usize, rounds: &[Vec<Vec<Rank>>]) -> u32 {
 }
 
 /// A periodic schedule of balanced partitions (`ceil(p/s)` groups, sizes differing by at most
-/// one) whose every cyclic window of its period mixes, with the shortest period the search finds
+/// one) and its window: the schedule's every window of that many rounds mixes. The window is
+/// the shortest the search finds
 /// from the lower bound up to [`SEARCH_SLACK`] more (and never beyond `2 ceil(log_s p)`, what the
 /// merged mixed radix guarantees); `None` when p is too large to search or nothing is found.
 ///
@@ -415,13 +423,13 @@ fn unmixed_pairs(p: usize, rounds: &[Vec<Vec<Rank>>]) -> u32 {
 /// groups of one round (which keeps the sizes) and keep the swap unless it makes things worse.
 /// (Accepting worse tables now and then, as simulated annealing does, found fewer optima.)
 /// It is seeded by (p, s) and uses integers only, so every rank computes the same table.
-fn searched_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
+fn searched_schedule(p: usize, s: usize) -> Option<Schedule> {
     if p > SEARCH_MAX_RANKS || s < 2 || s >= p {
         return None;
     }
     // Every engine of a process (and every stream it opens) builds the same grouping: search
     // once per (P, S).
-    type Cache = Mutex<HashMap<(usize, usize), Option<Vec<Vec<Vec<Rank>>>>>>;
+    type Cache = Mutex<HashMap<(usize, usize), Option<Schedule>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let cache = CACHE.get_or_init(Cache::default);
     // A poisoned lock only means another thread panicked while holding it; the map itself is
@@ -437,6 +445,9 @@ fn searched_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
     found
 }
 
+/// A periodic schedule (its partitions, one per round of the period) and its mixing window.
+type Schedule = (Vec<Vec<Vec<Rank>>>, usize);
+
 /// One round of a tabled pair schedule: its pairs, a singleton as `(x, x)`.
 type PairRound = &'static [(u8, u8)];
 
@@ -447,12 +458,18 @@ enum PairTable {
     Reflections(&'static [usize]),
     /// The rounds, listed.
     Rounds(&'static [PairRound]),
+    /// Round t pairs `x < P/2` with `P/2 + (x + o_t) mod P/2` (P even): Knödel's circulant
+    /// matchings, with offsets `o_t` found by a search over windows of the lower bound.
+    Bipartite(&'static [usize]),
 }
 
 /// Schedules reaching the lower bound: by simulated annealing (28, 29, 31), by powers of one
-/// permutation applied to the first round (30), by a search over reflections (38, 40).
+/// permutation applied to the first round (30), by a search over reflections (38, 40), by a
+/// search for a cycle in the graph of mixing windows of bipartite offsets (26: period 4,
+/// window 5).
 #[rustfmt::skip]
 const PAIR_SCHEDULES: &[(usize, PairTable)] = &[
+    (26, PairTable::Bipartite(&[11, 0, 8, 12])),
     (38, PairTable::Reflections(&[1, 17, 3, 13, 7, 3])),
     (40, PairTable::Reflections(&[1, 21, 5, 15, 7, 3])),
     (
@@ -499,8 +516,9 @@ const PAIR_SCHEDULES: &[(usize, PairTable)] = &[
     ),
 ];
 
-/// The tabled pair schedule for `p`, when it is a balanced schedule whose every window mixes.
-fn tabled_schedule(p: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
+/// The tabled pair schedule for `p` with the lower bound as its window, when it is a balanced
+/// schedule whose every window mixes.
+fn tabled_schedule(p: usize) -> Option<Schedule> {
     let (_, table) = PAIR_SCHEDULES.iter().find(|(q, _)| *q == p)?;
     let pair = |a: Rank, b: Rank| if a == b { vec![a] } else { vec![a, b] };
     let rounds: Vec<Vec<Vec<Rank>>> = match table {
@@ -513,6 +531,13 @@ fn tabled_schedule(p: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
                     .collect()
             })
             .collect(),
+        PairTable::Bipartite(offsets) => {
+            let half = p / 2;
+            offsets
+                .iter()
+                .map(|&o| (0..half).map(|x| pair(x, half + (x + o) % half)).collect())
+                .collect()
+        }
         PairTable::Rounds(rounds) => rounds
             .iter()
             .map(|round| {
@@ -531,10 +556,11 @@ fn tabled_schedule(p: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
             .all(|&r| r < p && !std::mem::replace(&mut seen[r], true))
             && seen.iter().all(|&x| x)
     });
-    if !partitions || unmixed_pairs(p, &rounds) != 0 {
+    let window = balanced_lower_bound(p, 2);
+    if !partitions || unmixed_pairs(p, &rounds, window) != 0 {
         return None;
     }
-    Some(canonical(rounds))
+    Some((canonical(rounds), window))
 }
 
 /// Groups sorted, and each round's groups by their first member.
@@ -548,7 +574,7 @@ fn canonical(mut rounds: Vec<Vec<Vec<Rank>>>) -> Vec<Vec<Vec<Rank>>> {
     rounds
 }
 
-fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
+fn search_schedule(p: usize, s: usize) -> Option<Schedule> {
     if s == 2
         && let Some(t) = tabled_schedule(p)
     {
@@ -574,7 +600,7 @@ fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
                     .collect()
             })
             .collect();
-        let mut current = unmixed_pairs(p, &rounds);
+        let mut current = unmixed_pairs(p, &rounds, window);
         for _ in 0..SEARCH_WORK / (window * window * p) {
             if current == 0 {
                 break;
@@ -587,7 +613,7 @@ fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
             let (x, y) = (rounds[k][a][i], rounds[k][b][j]);
             rounds[k][a][i] = y;
             rounds[k][b][j] = x;
-            let next = unmixed_pairs(p, &rounds);
+            let next = unmixed_pairs(p, &rounds, window);
             if next <= current {
                 current = next;
             } else {
@@ -596,7 +622,7 @@ fn search_schedule(p: usize, s: usize) -> Option<Vec<Vec<Vec<Rank>>>> {
             }
         }
         if current == 0 {
-            return Some(canonical(rounds));
+            return Some((canonical(rounds), window));
         }
     }
     None

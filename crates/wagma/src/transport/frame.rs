@@ -29,8 +29,9 @@ compile_error!(
     "the wire format writes f32 payloads in native order and assumes little-endian hosts"
 );
 
-/// Writes `env` as one frame; fails with `FrameTooLarge` above `max` body bytes.
-pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), TransportError> {
+/// The length of `env`'s frame body, or why it cannot be sent: larger than `max` (or than a
+/// frame's length field holds), or a virtual length beyond what a frame may declare.
+pub fn check_size(env: &Envelope, max: u64) -> Result<u64, TransportError> {
     let n = env.meta.contributions.len();
     let payload_bytes = match &env.data {
         Payload::Size(len) => {
@@ -46,6 +47,13 @@ pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), 
             max: max.min(u64::from(u32::MAX)),
         });
     }
+    Ok(body)
+}
+
+/// Writes `env` as one frame; fails with `FrameTooLarge` above `max` body bytes.
+pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), TransportError> {
+    let n = env.meta.contributions.len();
+    let body = check_size(env, max)?;
     let mut head = Vec::with_capacity(4 + HEADER_BYTES + n * CONTRIBUTION_BYTES);
     head.extend_from_slice(&(body as u32).to_le_bytes());
     head.push(env.tag.kind as u8);

@@ -6,15 +6,17 @@
 //! by every group, round and collective. Every connection, the rendezvous included, starts with
 //! a mutual handshake on the job id and shared secret; a peer that fails it is refused and
 //! logged. Messages are length-prefixed frames with a checked maximum size ([`super::frame`]);
-//! a reader thread per connection feeds the rank's inbox, the engine thread writes.
+//! a reader thread per connection feeds the rank's inbox, and a writer thread per connection
+//! writes what the engine thread queues for it ([`writer`]).
 
 mod gate;
 mod handshake;
 mod integrity;
 mod rejoin;
 mod rendezvous;
+mod writer;
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::BufReader;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -25,8 +27,9 @@ use crossbeam_channel::Sender;
 pub use handshake::Credentials;
 use handshake::{Deadlined, Session};
 use integrity::FrameMac;
+use writer::Writer;
 
-use super::frame::{read_frame, write_frame};
+use super::frame::read_frame;
 use super::{Envelope, Incoming, Lost, MAX_QUEUED_PER_PEER, Transport};
 use crate::Rank;
 use crate::error::{ConfigError, TransportError};
@@ -277,12 +280,6 @@ fn check_secret(cfg: &TcpConfig, addrs: &[IpAddr]) -> Result<(), TransportError>
     )))
 }
 
-/// The write half of a connection.
-pub(super) struct Writer {
-    out: BufWriter<TcpStream>,
-    mac: Option<FrameMac>,
-}
-
 /// The read half of a connection.
 struct Reader {
     stream: TcpStream,
@@ -295,7 +292,6 @@ pub struct TcpTransport {
     writers: Vec<Option<Writer>>,
     /// Connections of rejoined peers accepted since the last send, waiting to be used.
     adopted: Arc<rejoin::Adopted>,
-    max_frame: u64,
     /// Per peer: messages its readers put in the inbox that the engine has not taken yet.
     queued: Arc<[AtomicUsize]>,
 }
@@ -307,10 +303,7 @@ impl Transport for TcpTransport {
     fn leaving(&mut self) {
         self.adopted.take_into(&mut self.writers);
         for w in self.writers.iter().flatten() {
-            let _ = w
-                .out
-                .get_ref()
-                .set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
+            w.shorten(FAREWELL_WRITE_TIMEOUT);
         }
     }
 
@@ -323,65 +316,32 @@ impl Transport for TcpTransport {
     }
 
     fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError> {
-        self.adopted.take_into(&mut self.writers);
-        let w = self
-            .writers
-            .get_mut(to)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| TransportError::Peer {
-                peer: to,
-                message: format!("rank {} has no connection to it", self.rank),
-            })?;
         if env.data.is_virtual() && !env.data.is_empty() {
             return Err(TransportError::Malformed(
                 "a virtual payload exists only in simulations; TCP carries values".into(),
             ));
         }
-        let written = match &mut w.mac {
-            None => write_frame(&mut w.out, &env, self.max_frame),
-            Some(mac) => {
-                let mut tee = integrity::Tee::new(&mut w.out, mac);
-                write_frame(&mut tee, &env, self.max_frame).and_then(|()| {
-                    tee.finish()
-                        .map_err(|e| TransportError::io("writing a frame's tag", &e))
-                })
-            }
-        };
-        written.map_err(|e| match e {
-            TransportError::FrameTooLarge { .. } => e,
-            other => TransportError::Peer {
-                peer: to,
-                message: other.to_string(),
-            },
-        })
+        self.writer(to)?.send(env)
     }
 }
 
 impl TcpTransport {
+    /// The connection to `to`, with the latest rejoined peers' connections in place.
+    fn writer(&mut self, to: Rank) -> Result<&Writer, TransportError> {
+        self.adopted.take_into(&mut self.writers);
+        self.writers
+            .get(to)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| TransportError::Peer {
+                peer: to,
+                message: format!("rank {} has no connection to it", self.rank),
+            })
+    }
+
     /// Writes raw bytes on the connection to `peer`, bypassing the framing: fault injection
     /// (a corrupted stream must end in a named error at the peer, never in a hang or a panic).
     pub fn inject_raw(&mut self, peer: Rank, bytes: &[u8]) -> Result<(), TransportError> {
-        let w = self
-            .writers
-            .get_mut(peer)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| TransportError::Peer {
-                peer,
-                message: "no connection".into(),
-            })?;
-        w.out
-            .write_all(bytes)
-            .and_then(|()| w.out.flush())
-            .map_err(|e| TransportError::io("injecting bytes", &e))
-    }
-}
-
-impl Drop for TcpTransport {
-    fn drop(&mut self) {
-        for w in self.writers.iter_mut().flatten() {
-            let _ = w.out.flush();
-            let _ = w.out.get_ref().shutdown(std::net::Shutdown::Both);
-        }
+        self.writer(peer)?.send_raw(bytes.to_vec())
     }
 }
 
@@ -418,11 +378,9 @@ fn prepare(s: &TcpStream) -> Result<(), TransportError> {
         .map_err(|e| TransportError::io("configuring a socket", &e))
 }
 
-/// Keepalive of established connections: first probe after this much silence...
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
-/// ...then one probe this often...
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
-/// ...and the connection is dead after this many unanswered probes.
+/// Keepalive of established connections: after half the I/O timeout of silence, a probe
+/// every sixth of it, and the connection is dead after this many unanswered probes; so a
+/// vanished host is found about one I/O timeout (the job's `--timeout`) after it went silent.
 #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
 const KEEPALIVE_RETRIES: u32 = 3;
 
@@ -591,7 +549,6 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         rank: me,
         writers,
         adopted,
-        max_frame: cfg.max_frame_bytes,
         queued,
     })
 }
@@ -687,11 +644,12 @@ impl Link {
     fn split(&self, st: TcpStream, session: &Session) -> Result<(Writer, Reader), TransportError> {
         let io = |e: std::io::Error| TransportError::io("configuring a connection", &e);
         // Reads block for as long as a peer has nothing to say, so a peer whose host vanished
-        // (no FIN, no RST) is found by keepalive probes instead: about 25 s of silence from
-        // the kernel, after which the read fails and the peer is reported lost.
+        // (no FIN, no RST) is found by keepalive probes instead, after which the read fails
+        // and the peer is reported lost.
+        let second = Duration::from_secs(1);
         let keepalive = socket2::TcpKeepalive::new()
-            .with_time(KEEPALIVE_IDLE)
-            .with_interval(KEEPALIVE_INTERVAL);
+            .with_time((self.io_timeout / 2).max(second))
+            .with_interval((self.io_timeout / 6).max(second));
         #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
         let keepalive = keepalive.with_retries(KEEPALIVE_RETRIES);
         socket2::SockRef::from(&st)
@@ -701,11 +659,16 @@ impl Link {
         st.set_write_timeout(Some(self.io_timeout)).map_err(io)?;
         let stream = st.try_clone().map_err(io)?;
         let mac = |f: fn(&Session) -> FrameMac| self.integrity.then(|| f(session));
+        let writer = Writer::spawn(
+            self.me,
+            session.peer,
+            st,
+            mac(FrameMac::sending),
+            self.io_timeout,
+            self.max_frame,
+        )?;
         Ok((
-            Writer {
-                out: BufWriter::with_capacity(64 * 1024, st),
-                mac: mac(FrameMac::sending),
-            },
+            writer,
             Reader {
                 stream,
                 mac: mac(FrameMac::receiving),

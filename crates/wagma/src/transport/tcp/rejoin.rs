@@ -16,7 +16,8 @@ use super::gate::{self, Caller};
 use super::handshake::Deadlined;
 use super::handshake::Session;
 use super::rendezvous::{read_registration, send_refusal, send_table};
-use super::{Credentials, Link, TcpConfig, Writer, connect_to};
+use super::writer::Writer;
+use super::{Credentials, Link, TcpConfig, connect_to};
 use crate::Rank;
 use crate::error::TransportError;
 
@@ -60,7 +61,10 @@ impl Adopted {
         }
         for (peer, slot) in self.lock().iter_mut().enumerate() {
             if let (Some(w), Some(dst)) = (slot.take(), writers.get_mut(peer)) {
-                *dst = Some(w);
+                // The old connection is lost: nothing more is owed on it.
+                if let Some(old) = dst.replace(w) {
+                    old.abandon();
+                }
             }
         }
     }
