@@ -7,9 +7,27 @@ use common::{bench_collectives_rows, launch_tcp_train, ok, ok_json, tmp, wagma};
 fn bench_collectives_runs_over_mem_and_tcp() {
     for transport in ["mem", "tcp"] {
         let rows = bench_collectives_rows(wagma(), transport, 3);
-        assert_eq!(rows.len(), 6);
-        for r in rows {
+        // Over TCP a raw loopback stream comes last, as the reference.
+        assert_eq!(rows.len(), if transport == "tcp" { 7 } else { 6 });
+        for r in &rows {
             assert!(r["vs_memcpy"].as_f64().unwrap() > 0.0);
+            assert!(r["bus_gb_per_s"].as_f64().unwrap() > 0.0);
+            // The memory bound is computed for the in-process transport only.
+            assert_eq!(
+                r["memory_bound_gb_per_s"].is_number(),
+                transport == "mem" && r["collective"] != "loopback-stream",
+                "{r}"
+            );
+        }
+        // The least bytes a rank sends: 2(n-1)/n buffers of 4,000 bytes in an allreduce of
+        // n (3 ranks; groups of 2), one buffer per neighbour in the exchange.
+        let least = |i: usize| rows[i]["optimal_bytes_per_rank"].as_u64().unwrap();
+        assert_eq!(
+            [least(0), least(1), least(2), least(4), least(5)],
+            [5333, 5333, 4000, 4000, 8000]
+        );
+        if transport == "tcp" {
+            assert_eq!(rows[6]["collective"], "loopback-stream");
         }
     }
 }

@@ -1,5 +1,11 @@
 //! `wagma bench collectives`: every collective and algorithm, median time and bandwidth, next
-//! to a memcpy of the same buffer measured in the same run.
+//! to a memcpy of the same buffer and (over TCP) a raw loopback stream, measured in the same
+//! run.
+//!
+//! Bandwidths follow NCCL tests' convention: the algorithm bandwidth is the buffer's bytes over
+//! the time; the bus bandwidth is the bytes each rank must send at the least over the time,
+//! `2(n-1)/n` buffers for an allreduce of n members (one per neighbour for the exchange), so
+//! that it compares with a link's speed whatever n is.
 
 use std::time::Instant;
 
@@ -51,14 +57,21 @@ pub struct Row {
     pub members: usize,
     /// Median seconds (slowest rank per repetition).
     pub median_s: f64,
-    /// Bytes of the buffer over the median time, in GB/s.
+    /// Algorithm bandwidth: bytes of the buffer over the median time, in GB/s.
     pub gb_per_s: f64,
-    /// Bandwidth relative to the memcpy of the same buffer.
+    /// Bus bandwidth: the least bytes each rank must send over the median time, in GB/s.
+    pub bus_gb_per_s: f64,
+    /// Algorithm bandwidth relative to the memcpy of the same buffer.
     pub vs_memcpy: f64,
+    /// In-process transport: the algorithm bandwidth that memory traffic allows (the
+    /// reductions' reads and writes at memcpy's rate), in GB/s.
+    pub memory_bound_gb_per_s: Option<f64>,
     /// Messages each rank sends (rank 0).
     pub messages_per_rank: usize,
     /// Payload bytes each rank sends (rank 0).
     pub bytes_per_rank: usize,
+    /// The least payload bytes each rank must send (`2(n-1)/n` buffers for an allreduce).
+    pub optimal_bytes_per_rank: usize,
 }
 
 /// The whole report.
@@ -72,6 +85,8 @@ pub struct Report {
     pub buffer_bytes: usize,
     /// memcpy of the same buffer, GB/s.
     pub memcpy_gb_per_s: f64,
+    /// TCP transport: one loopback TCP stream carrying the buffer, GB/s.
+    pub loopback_gb_per_s: Option<f64>,
     /// Measurements.
     pub rows: Vec<Row>,
 }
@@ -143,7 +158,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     };
     let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
-    let report = build_report(&args, s, memcpy, times);
+    let loopback = match args.transport {
+        TransportKind::Tcp => Some(loopback_gb_per_s(args.elements * 4, args.reps.max(3))?),
+        _ => None,
+    };
+    let report = build_report(&args, s, memcpy, loopback, times);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -165,6 +184,55 @@ fn memcpy_gb_per_s(n: usize, reps: usize) -> f64 {
         .skip(1)
         .collect();
     (n * 4) as f64 / median(&mut times) / 1e9
+}
+
+/// One TCP connection on loopback, one thread writing the buffer and this one reading it into
+/// a buffer of its own: the median rate over `reps` transfers (after one unmeasured).
+fn loopback_gb_per_s(bytes: usize, reps: usize) -> anyhow::Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let src = vec![1u8; bytes];
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        for _ in 0..=reps {
+            s.write_all(&src)?;
+        }
+        Ok(())
+    });
+    let (mut s, _) = listener.accept()?;
+    let mut dst = vec![0u8; bytes];
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..=reps {
+        let t = Instant::now();
+        s.read_exact(&mut dst)?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    match writer.join() {
+        Ok(r) => r?,
+        Err(_) => bail!("the loopback writer thread panicked"),
+    }
+    Ok(bytes as f64 / median(&mut times) / 1e9)
+}
+
+/// The least bytes a rank must send in an allreduce of `n` members of `bytes` each:
+/// `2(n-1)/n` buffers (reduce-scatter then allgather).
+fn optimal_allreduce_bytes(n: usize, bytes: usize) -> usize {
+    if n <= 1 { 0 } else { 2 * (n - 1) * bytes / n }
+}
+
+/// Bytes of memory a rank reads and writes in the in-process transport: its reductions, and
+/// one join of the buffer when it was gathered in pieces (received ranges are moved in as
+/// segments, joined once at the end).
+fn in_process_traffic(sched: &schedule::Schedule) -> usize {
+    let len = sched.len;
+    let gathered = sched.phases.iter().any(|p| {
+        p.combine == schedule::Combine::Copy && p.recvs.iter().any(|r| r.range.len() < len)
+    });
+    sched.reduction_traffic() + if gathered { 2 * len * 4 } else { 0 }
 }
 
 /// Per case, the median over repetitions of the slowest rank's time.
@@ -240,7 +308,13 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma:
     Ok(medians)
 }
 
-fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
+fn build_report(
+    args: &Args,
+    s: usize,
+    memcpy: f64,
+    loopback: Option<f64>,
+    times: Vec<f64>,
+) -> Report {
     let p = args.ranks;
     let bytes = args.elements * 4;
     let grouping = Grouping::new(p, s, GroupingKind::Butterfly).ok();
@@ -262,42 +336,77 @@ fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
                 algorithm: case.algorithm.unwrap_or_default(),
                 ..AlgorithmChoice::default()
             };
-            let (members, sched) = match case.name {
-                "allreduce" => (p, schedule::allreduce(0, &everyone, args.elements, &choice)),
+            let (members, sched, optimal) = match case.name {
+                "allreduce" => (
+                    p,
+                    schedule::allreduce(0, &everyone, args.elements, &choice),
+                    optimal_allreduce_bytes(p, bytes),
+                ),
                 "neighbour-exchange" => {
                     let nb = ring_neighbors(0, p);
-                    (nb.len() + 1, schedule::exchange(&nb, &nb, args.elements))
+                    (
+                        nb.len() + 1,
+                        schedule::exchange(&nb, &nb, args.elements),
+                        nb.len() * bytes,
+                    )
                 }
                 _ => (
                     group.len(),
                     schedule::allreduce(0, &group, args.elements, &choice),
+                    optimal_allreduce_bytes(group.len(), bytes),
                 ),
             };
             let cost = sched.cost();
             let gb = bytes as f64 / t / 1e9;
+            // Reading and writing at memcpy's rate: memcpy moves 2 bytes of traffic per byte.
+            let traffic = in_process_traffic(&sched);
+            let memory_bound = (args.transport == TransportKind::Mem && traffic > 0)
+                .then(|| memcpy * 2.0 * bytes as f64 / traffic as f64);
             Row {
                 collective: case.name.into(),
                 algorithm: algo_name(case.algorithm),
                 members,
                 median_s: t,
                 gb_per_s: gb,
+                bus_gb_per_s: optimal as f64 / t / 1e9,
                 vs_memcpy: gb / memcpy,
+                memory_bound_gb_per_s: memory_bound,
                 messages_per_rank: cost.messages,
                 bytes_per_rank: cost.bytes,
+                optimal_bytes_per_rank: optimal,
             }
         })
         .collect();
     for (name, members, t) in baselines {
         let gb = bytes as f64 / t / 1e9;
+        let optimal = optimal_allreduce_bytes(members, bytes);
         rows.push(Row {
             collective: "MPI_Allreduce".into(),
             algorithm: name,
             members,
             median_s: t,
             gb_per_s: gb,
+            bus_gb_per_s: optimal as f64 / t / 1e9,
             vs_memcpy: gb / memcpy,
+            memory_bound_gb_per_s: None,
             messages_per_rank: 0,
             bytes_per_rank: 0,
+            optimal_bytes_per_rank: optimal,
+        });
+    }
+    if let Some(gb) = loopback {
+        rows.push(Row {
+            collective: "loopback-stream".into(),
+            algorithm: "one TCP connection".into(),
+            members: 2,
+            median_s: bytes as f64 / gb / 1e9,
+            gb_per_s: gb,
+            bus_gb_per_s: gb,
+            vs_memcpy: gb / memcpy,
+            memory_bound_gb_per_s: None,
+            messages_per_rank: 1,
+            bytes_per_rank: bytes,
+            optimal_bytes_per_rank: bytes,
         });
     }
     Report {
@@ -305,41 +414,73 @@ fn build_report(args: &Args, s: usize, memcpy: f64, times: Vec<f64>) -> Report {
         group_size: s,
         buffer_bytes: bytes,
         memcpy_gb_per_s: memcpy,
+        loopback_gb_per_s: loopback,
         rows,
     }
 }
 
 fn print_table(r: &Report) {
+    let loopback = r
+        .loopback_gb_per_s
+        .map(|g| format!("; one loopback TCP stream: {g:.2} GB/s"))
+        .unwrap_or_default();
     println!(
-        "{} ranks over {}, group size {}, buffer {:.1} MiB; memcpy of the buffer: {:.2} GB/s",
+        "{} ranks over {}, group size {}, buffer {:.1} MiB; memcpy of the buffer: {:.2} GB/s{loopback}",
         r.args.ranks,
         r.args.transport.name(),
         r.group_size,
         r.buffer_bytes as f64 / (1 << 20) as f64,
         r.memcpy_gb_per_s
     );
-    let mut t = Table::new();
-    t.set_header(vec![
+    println!(
+        "algbw: buffer bytes / time; busbw: least bytes a rank sends / time (2(n-1)/n buffers \
+         for an allreduce of n); x optimal: bytes sent over that least"
+    );
+    let mem = r.args.transport == TransportKind::Mem;
+    let mut header = vec![
         "collective",
         "algorithm",
         "members",
         "median ms",
-        "GB/s",
+        "algbw GB/s",
+        "busbw GB/s",
         "x memcpy",
-        "msgs/rank",
-        "MiB/rank",
-    ]);
+    ];
+    if mem {
+        header.extend(["memory bound GB/s", "x bound"]);
+    }
+    if r.loopback_gb_per_s.is_some() {
+        header.push("busbw x loopback");
+    }
+    header.extend(["msgs/rank", "MiB/rank", "x optimal"]);
+    let mut t = Table::new();
+    t.set_header(header);
     for row in &r.rows {
-        t.add_row(vec![
+        let mut cells = vec![
             row.collective.clone(),
             row.algorithm.clone(),
             row.members.to_string(),
             format!("{:.2}", row.median_s * 1e3),
             format!("{:.3}", row.gb_per_s),
+            format!("{:.3}", row.bus_gb_per_s),
             format!("{:.3}", row.vs_memcpy),
+        ];
+        let or_dash = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.3}"));
+        if mem {
+            cells.push(or_dash(row.memory_bound_gb_per_s));
+            cells.push(or_dash(row.memory_bound_gb_per_s.map(|b| row.gb_per_s / b)));
+        }
+        if let Some(l) = r.loopback_gb_per_s {
+            cells.push(format!("{:.3}", row.bus_gb_per_s / l));
+        }
+        let ratio = (row.optimal_bytes_per_rank > 0 && row.bytes_per_rank > 0)
+            .then(|| row.bytes_per_rank as f64 / row.optimal_bytes_per_rank as f64);
+        cells.extend([
             row.messages_per_rank.to_string(),
             format!("{:.1}", row.bytes_per_rank as f64 / (1 << 20) as f64),
+            or_dash(ratio),
         ]);
+        t.add_row(cells);
     }
     println!("{t}");
 }

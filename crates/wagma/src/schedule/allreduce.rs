@@ -266,6 +266,22 @@ mod tests {
     }
 
     #[test]
+    fn reduction_traffic_counts_every_operand_and_the_result() {
+        // A pair: read both buffers, write the sum (3 buffers of 4000 bytes).
+        let pair: Vec<Rank> = vec![0, 1];
+        assert_eq!(
+            recursive_doubling(0, &pair, 1000).reduction_traffic(),
+            12000
+        );
+        // Recursive doubling over 8: three whole-buffer sums.
+        let m: Vec<Rank> = (0..8).collect();
+        assert_eq!(recursive_doubling(3, &m, 1000).reduction_traffic(), 36000);
+        // Reduce-scatter over 8: halves, quarters, eighths summed; the allgather copies.
+        let rs = reduce_scatter_allgather(3, &m, 1000).reduction_traffic();
+        assert_eq!(rs, 3 * 4 * (500 + 250 + 125));
+    }
+
+    #[test]
     fn auto_choice() {
         let c = AlgorithmChoice::default();
         assert_eq!(c.resolve(4, 100), AllreduceAlgorithm::RecursiveDoubling);

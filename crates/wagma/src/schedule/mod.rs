@@ -104,6 +104,18 @@ impl Schedule {
         c
     }
 
+    /// Bytes of memory this rank reads and writes to fold in what it receives: each summed
+    /// element is read once per operand and written once; copied ranges are moved in, not
+    /// copied, by the in-process transport (so they cost nothing here).
+    pub fn reduction_traffic(&self) -> usize {
+        self.phases
+            .iter()
+            .filter(|p| p.combine == Combine::Sum)
+            .filter_map(|p| p.recvs.first().map(|r| (p.recvs.len(), r.range.len())))
+            .map(|(k, len)| (k + 2) * len * 4)
+            .sum()
+    }
+
     /// Every peer this rank sends to or receives from.
     pub fn peers(&self) -> Vec<Rank> {
         let mut v: Vec<Rank> = self
