@@ -80,6 +80,14 @@ fn bench_imbalance_runs_every_algorithm_over_mem_and_tcp() {
             assert!(bound > 0.0 && bound <= ideal * (1.0 + 1e-9), "{r}");
             assert!(r["samples_per_s"].as_f64().unwrap() > 0.0);
             assert_eq!(r["measured"]["steps"].as_u64(), Some(6));
+            // Every rank's time is compute, waiting or overhead, and no rank outlasts the
+            // job (f32 totals: a relative slack).
+            let m = &r["measured"];
+            let part = |k: &str| m[k].as_f64().unwrap();
+            let (overhead, wall) = (part("overhead_s"), part("wall_s"));
+            assert!(overhead >= 0.0, "{r}");
+            let accounted = part("wait_s") + part("compute_s") + overhead;
+            assert!(accounted <= 4.0 * wall * (1.0 + 1e-4) + 1e-6, "{r}");
         }
     }
 }

@@ -46,6 +46,10 @@ pub struct JobStats {
     pub wait_s: f64,
     /// Seconds of emulated compute, summed over ranks.
     pub compute_s: f64,
+    /// Seconds each rank spent neither computing nor waiting (copies, publishing, the
+    /// optimizer step, the engine's work on the caller's thread), summed over ranks.
+    #[serde(default)]
+    pub overhead_s: f64,
     /// Staleness of the contributions used by every rank.
     pub staleness: Histogram,
 }
@@ -64,6 +68,11 @@ impl JobStats {
     /// Share of the ranks' time spent waiting.
     pub fn wait_fraction(&self) -> f64 {
         self.wait_s / (self.wall_s * self.ranks as f64)
+    }
+
+    /// Milliseconds per local step neither computing nor waiting, averaged over ranks.
+    pub fn overhead_ms_per_step(&self) -> f64 {
+        1e3 * self.overhead_s / (self.ranks as f64 * self.steps.max(1) as f64)
     }
 }
 
@@ -135,13 +144,17 @@ pub async fn run(comm: &mut Comm, spec: &Spec) -> Result<JobStats, Error> {
     for (s, &c) in sum[p + 2..].iter().enumerate() {
         hist.record_n(s as u64, c.round() as u64);
     }
+    let (wait_s, compute_s) = (f64::from(sum[p]), f64::from(sum[p + 1]));
+    let own_walls: f64 = sum[..p].iter().map(|&w| f64::from(w)).sum();
     Ok(JobStats {
         ranks: p,
         steps: spec.steps,
         batch: spec.batch,
         wall_s: sum[..p].iter().copied().fold(0.0f32, f32::max) as f64,
-        wait_s: f64::from(sum[p]),
-        compute_s: f64::from(sum[p + 1]),
+        wait_s,
+        compute_s,
+        // Rounding of the f32 totals can make a tiny remainder negative.
+        overhead_s: (own_walls - wait_s - compute_s).max(0.0),
         staleness: hist,
     })
 }
