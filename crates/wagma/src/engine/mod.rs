@@ -362,7 +362,7 @@ impl Engine {
                     // A collective's schedule is the caller's: its group is at most the job.
                     self.start(
                         now,
-                        (0..self.ranks).collect(),
+                        run::Members::Job(self.ranks),
                         Owner::Request(id),
                         op,
                         kind,
@@ -812,13 +812,12 @@ impl Engine {
         None
     }
 
-    /// Starts `schedule`, a sum over the group `members` (the ranks a peer's contribution list
-    /// may name).
+    /// Starts `schedule`, a sum over `members` (the ranks a peer's contribution list may name).
     #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,
         now: Time,
-        members: Vec<Rank>,
+        members: run::Members,
         owner: Owner,
         op: Op,
         kind: Kind,

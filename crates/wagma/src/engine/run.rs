@@ -10,6 +10,33 @@ use crate::payload::Payload;
 use crate::schedule::{Combine, Schedule};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
+/// The ranks a schedule sums over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Members {
+    /// Every rank of a job of this many (a collective, whose schedule is the caller's).
+    Job(usize),
+    /// A group, sorted.
+    Group(Vec<Rank>),
+}
+
+impl Members {
+    fn contains(&self, r: Rank) -> bool {
+        match self {
+            Members::Job(n) => r < *n,
+            Members::Group(g) => g.binary_search(&r).is_ok(),
+        }
+    }
+}
+
+impl std::fmt::Display for Members {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Members::Job(n) => write!(f, "of the job's {n} ranks"),
+            Members::Group(g) => write!(f, "{g:?}"),
+        }
+    }
+}
+
 /// Who gets the result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Owner {
@@ -39,8 +66,8 @@ pub(super) struct Running {
     /// Carried and merged only for group rounds, where passive members make them informative.
     contributions: Vec<Contribution>,
     track: bool,
-    /// The group the schedule sums over, sorted: the only ranks a contribution list may name.
-    members: Vec<Rank>,
+    /// The group the schedule sums over: the only ranks a contribution list may name.
+    members: Members,
     got: Vec<Option<Envelope>>,
     /// Receive slots of the current phase whose peer is dead (elastic mode): satisfied empty.
     absent: Vec<bool>,
@@ -55,7 +82,7 @@ pub(super) struct Running {
 impl Running {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        members: Vec<Rank>,
+        members: Members,
         owner: Owner,
         op: Op,
         kind: Kind,
@@ -68,9 +95,6 @@ impl Running {
         track_all: bool,
     ) -> Running {
         let track = kind == Kind::Round || track_all;
-        let mut members = members;
-        members.sort_unstable();
-        members.dedup();
         Running {
             owner,
             op,
@@ -203,12 +227,9 @@ impl Running {
     /// What is wrong with a peer's contribution list, if anything: a rank outside this
     /// schedule's members, or ranks not strictly ascending (a rank counted twice).
     fn foreign_contribution(&self, list: &[Contribution]) -> Option<String> {
-        if let Some(c) = list
-            .iter()
-            .find(|c| self.members.binary_search(&c.rank).is_err())
-        {
+        if let Some(c) = list.iter().find(|c| !self.members.contains(c.rank)) {
             return Some(format!(
-                "rank {} is not among the members {:?}",
+                "rank {} is not among the members {}",
                 c.rank, self.members
             ));
         }

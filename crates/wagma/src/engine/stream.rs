@@ -569,7 +569,7 @@ impl Engine {
         let epoch = self.epoch();
         self.start(
             now,
-            members,
+            super::run::Members::Group(members),
             Owner::Stream { epoch, round },
             op,
             kind,
