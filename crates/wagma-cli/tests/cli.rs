@@ -8,7 +8,7 @@ fn bench_collectives_runs_over_mem_and_tcp() {
     for transport in ["mem", "tcp"] {
         let rows = bench_collectives_rows(wagma(), transport, 3);
         // Over TCP a raw loopback stream comes last, as the reference.
-        assert_eq!(rows.len(), if transport == "tcp" { 7 } else { 6 });
+        assert_eq!(rows.len(), if transport == "tcp" { 8 } else { 7 });
         for r in &rows {
             assert!(r["vs_memcpy"].as_f64().unwrap() > 0.0);
             assert!(r["bus_gb_per_s"].as_f64().unwrap() > 0.0);
@@ -23,11 +23,12 @@ fn bench_collectives_runs_over_mem_and_tcp() {
         // n (3 ranks; groups of 2), one buffer per neighbour in the exchange.
         let least = |i: usize| rows[i]["optimal_bytes_per_rank"].as_u64().unwrap();
         assert_eq!(
-            [least(0), least(1), least(2), least(4), least(5)],
-            [5333, 5333, 4000, 4000, 8000]
+            [least(0), least(1), least(2), least(4), least(5), least(6)],
+            [5333, 5333, 4000, 4000, 4000, 8000]
         );
+        assert_eq!(rows[4]["algorithm"], "reduce-broadcast");
         if transport == "tcp" {
-            assert_eq!(rows[6]["collective"], "loopback-stream");
+            assert_eq!(rows[7]["collective"], "loopback-stream");
         }
     }
 }

@@ -16,10 +16,10 @@ fn bench_collectives_runs_next_to_mpi_allreduce() {
     // collects rank 0's result).
     for cmd in [mpirun(4), wagma()] {
         let rows = bench_collectives_rows(cmd, "mpi", 4);
-        // Our six collectives, then MPI_Allreduce on the world and on a group communicator.
-        assert_eq!(rows.len(), 8, "{rows:?}");
-        assert_eq!(rows[6]["collective"], "MPI_Allreduce");
-        assert_eq!(rows[7]["members"], 2);
+        // Our seven collectives, then MPI_Allreduce on the world and on a group communicator.
+        assert_eq!(rows.len(), 9, "{rows:?}");
+        assert_eq!(rows[7]["collective"], "MPI_Allreduce");
+        assert_eq!(rows[8]["members"], 2);
     }
 }
 

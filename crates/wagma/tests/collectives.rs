@@ -13,12 +13,15 @@ use wagma::{EngineConfig, Payload};
 fn algorithm(k: u8) -> EngineConfig {
     EngineConfig {
         algorithm: AlgorithmChoice {
-            algorithm: match k % 3 {
+            algorithm: match k % 4 {
                 0 => AllreduceAlgorithm::Auto,
                 1 => AllreduceAlgorithm::RecursiveDoubling,
-                _ => AllreduceAlgorithm::ReduceScatterAllgather,
+                2 => AllreduceAlgorithm::ReduceScatterAllgather,
+                _ => AllreduceAlgorithm::ReduceBroadcast,
             },
             small_bytes: 256,
+            // Auto with the in-process executor's preference for pairs, for one value of k.
+            shared_memory: k % 8 == 4,
         },
         ..EngineConfig::default()
     }
@@ -133,7 +136,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn allreduce_matches_reference(p in 1usize..=40, len in 0usize..150, alg in 0u8..3, seed: u64) {
+    fn allreduce_matches_reference(p in 1usize..=40, len in 0usize..150, alg in 0u8..8, seed: u64) {
         allreduce_case(Exec::Virtual(seed), p, len, alg, seed);
     }
 
@@ -147,7 +150,7 @@ proptest! {
         trig in 0u8..3,
         grp in 0u8..3,
         exact: bool,
-        alg in 0u8..3,
+        alg in 0u8..8,
     ) {
         let s = 1 + ((p - 1) as f64 * s_frac).round() as usize;
         let trigger = match trig {

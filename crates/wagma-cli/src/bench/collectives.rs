@@ -96,7 +96,7 @@ struct Case {
     algorithm: Option<AllreduceAlgorithm>,
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
     Case {
         name: "allreduce",
         algorithm: Some(AllreduceAlgorithm::RecursiveDoubling),
@@ -112,6 +112,10 @@ const CASES: [Case; 6] = [
     Case {
         name: "group-allreduce",
         algorithm: Some(AllreduceAlgorithm::ReduceScatterAllgather),
+    },
+    Case {
+        name: "group-allreduce",
+        algorithm: Some(AllreduceAlgorithm::ReduceBroadcast),
     },
     Case {
         name: "wait-avoiding-round",
@@ -127,6 +131,7 @@ fn algo_name(a: Option<AllreduceAlgorithm>) -> String {
     match a {
         Some(AllreduceAlgorithm::RecursiveDoubling) => "recursive-doubling".into(),
         Some(AllreduceAlgorithm::ReduceScatterAllgather) => "reduce-scatter-allgather".into(),
+        Some(AllreduceAlgorithm::ReduceBroadcast) => "reduce-broadcast".into(),
         Some(AllreduceAlgorithm::Auto) | None => "auto".into(),
     }
 }

@@ -259,6 +259,9 @@ where
         .into_iter()
         .map(|(t, rx)| (Box::new(t) as Box<dyn Transport + Send>, rx))
         .collect();
+    // A sent buffer is shared, not copied: one sum can serve a whole pair.
+    let mut cfg = cfg;
+    cfg.algorithm.shared_memory = true;
     run_on(net, cfg, task)
 }
 

@@ -8,8 +8,53 @@ use crate::Rank;
 pub fn allreduce(rank: Rank, members: &[Rank], len: usize, choice: &AlgorithmChoice) -> Schedule {
     match choice.resolve(members.len(), len) {
         AllreduceAlgorithm::RecursiveDoubling => recursive_doubling(rank, members, len),
+        AllreduceAlgorithm::ReduceBroadcast => reduce_broadcast(rank, members, len),
         _ => reduce_scatter_allgather(rank, members, len),
     }
+}
+
+/// Reduce then broadcast: every other member hands its buffer to the lowest (step 0), which
+/// folds them in rank order, and the lowest hands the sum back to each (step 1). Each member
+/// sends one whole buffer, the lowest `n - 1`.
+pub fn reduce_broadcast(rank: Rank, members: &[Rank], len: usize) -> Schedule {
+    let (Some(&root), true) = (members.first(), members.contains(&rank)) else {
+        return Schedule::default();
+    };
+    if members.len() <= 1 {
+        return Schedule {
+            len,
+            phases: Vec::new(),
+        };
+    }
+    let others: Vec<Rank> = members[1..].to_vec();
+    let phases = if rank == root {
+        vec![
+            Phase {
+                sends: vec![],
+                recvs: others.iter().map(|&m| whole(m, len, 0)).collect(),
+                combine: Combine::Sum,
+            },
+            Phase {
+                sends: others.iter().map(|&m| whole(m, len, 1)).collect(),
+                recvs: vec![],
+                combine: Combine::Copy,
+            },
+        ]
+    } else {
+        vec![
+            Phase {
+                sends: vec![whole(root, len, 0)],
+                recvs: vec![],
+                combine: Combine::Copy,
+            },
+            Phase {
+                sends: vec![],
+                recvs: vec![whole(root, len, 1)],
+                combine: Combine::Copy,
+            },
+        ]
+    };
+    Schedule { len, phases }
 }
 
 fn whole(peer: Rank, len: usize, step: u16) -> Transfer {
@@ -242,8 +287,35 @@ mod tests {
             for len in [0, 1, 5, 64] {
                 check_matching(&members, len, recursive_doubling);
                 check_matching(&members, len, reduce_scatter_allgather);
+                check_matching(&members, len, reduce_broadcast);
             }
         }
+    }
+
+    #[test]
+    fn pairs_reduce_once_with_shared_memory() {
+        let shared = AlgorithmChoice {
+            shared_memory: true,
+            ..AlgorithmChoice::default()
+        };
+        assert_eq!(
+            shared.resolve(2, 1 << 20),
+            AllreduceAlgorithm::ReduceBroadcast
+        );
+        assert_eq!(shared.resolve(4, 10), AllreduceAlgorithm::RecursiveDoubling);
+        assert_eq!(
+            AlgorithmChoice::default().resolve(2, 1 << 20),
+            AllreduceAlgorithm::ReduceScatterAllgather
+        );
+        // The lowest member sums once; the other sends its buffer and receives the result.
+        let (lo, hi) = (
+            reduce_broadcast(3, &[3, 8], 100),
+            reduce_broadcast(8, &[3, 8], 100),
+        );
+        assert_eq!(lo.reduction_traffic(), 1200);
+        assert_eq!(hi.reduction_traffic(), 0);
+        assert_eq!((lo.cost().messages, hi.cost().messages), (1, 1));
+        assert_eq!(reduce_broadcast(5, &[3, 8], 100), Schedule::default());
     }
 
     #[test]

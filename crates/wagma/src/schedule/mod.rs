@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::Rank;
 
 pub(crate) use allreduce::chunk;
-pub use allreduce::{allreduce, recursive_doubling, reduce_scatter_allgather};
+pub use allreduce::{allreduce, recursive_doubling, reduce_broadcast, reduce_scatter_allgather};
 pub use exchange::{activation_cost, exchange, exchange_among, pair_request};
 
 /// A transfer of `range` of the working buffer to or from `peer`, matched by `step`.
@@ -142,6 +142,10 @@ pub enum AllreduceAlgorithm {
     RecursiveDoubling,
     /// Bandwidth-optimal: each member reduces one chunk, then every chunk is gathered.
     ReduceScatterAllgather,
+    /// The lowest member sums every buffer in rank order and hands the result to the others:
+    /// with shared memory the result is read by every member, not computed by each (for two
+    /// members it gives the same bits as the other two).
+    ReduceBroadcast,
 }
 
 impl std::str::FromStr for AllreduceAlgorithm {
@@ -151,10 +155,12 @@ impl std::str::FromStr for AllreduceAlgorithm {
             "auto" => Ok(Self::Auto),
             "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
             "reduce-scatter-allgather" | "rsag" => Ok(Self::ReduceScatterAllgather),
+            "reduce-broadcast" => Ok(Self::ReduceBroadcast),
             _ => Err(crate::ConfigError::Invalid {
                 what: "allreduce algorithm",
                 detail: format!(
-                    "{s:?} (expected auto, recursive-doubling or reduce-scatter-allgather)"
+                    "{s:?} (expected auto, recursive-doubling, reduce-scatter-allgather or \
+                     reduce-broadcast)"
                 ),
             }),
         }
@@ -168,6 +174,12 @@ pub struct AlgorithmChoice {
     pub algorithm: AllreduceAlgorithm,
     /// With `Auto`, buffers up to this many bytes use recursive doubling on power-of-two groups.
     pub small_bytes: usize,
+    /// The ranks share memory (the in-process transport, where a sent buffer is shared, not
+    /// copied): with `Auto`, pairs use [`AllreduceAlgorithm::ReduceBroadcast`], so one sum
+    /// serves both members. Set by the executor, never by a simulation (whose network model
+    /// would then time a different pattern).
+    #[serde(default)]
+    pub shared_memory: bool,
 }
 
 impl Default for AlgorithmChoice {
@@ -175,6 +187,7 @@ impl Default for AlgorithmChoice {
         AlgorithmChoice {
             algorithm: AllreduceAlgorithm::Auto,
             small_bytes: 64 * 1024,
+            shared_memory: false,
         }
     }
 }
@@ -184,7 +197,10 @@ impl AlgorithmChoice {
     pub fn resolve(&self, members: usize, len: usize) -> AllreduceAlgorithm {
         match self.algorithm {
             AllreduceAlgorithm::Auto => {
-                if members.is_power_of_two() && len * 4 <= self.small_bytes {
+                // Same bits as the others for a pair: a + b in rank order either way.
+                if self.shared_memory && members == 2 {
+                    AllreduceAlgorithm::ReduceBroadcast
+                } else if members.is_power_of_two() && len * 4 <= self.small_bytes {
                     AllreduceAlgorithm::RecursiveDoubling
                 } else {
                     AllreduceAlgorithm::ReduceScatterAllgather
