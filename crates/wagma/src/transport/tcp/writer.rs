@@ -134,9 +134,7 @@ impl Writer {
     pub fn shorten(&self, limit: Duration) {
         let _ = self.socket.set_write_timeout(Some(limit));
     }
-}
 
-impl Writer {
     /// Closes a connection that is lost without writing what is queued on it (which may
     /// block until the write timeout): the thread's next write fails and it ends.
     pub fn abandon(mut self) {
