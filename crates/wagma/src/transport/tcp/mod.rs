@@ -50,8 +50,10 @@ pub struct TcpConfig {
     pub credentials: Credentials,
     /// Limit for the whole start-up (rendezvous and all connections).
     pub connect_timeout: Duration,
-    /// Limit for one blocking write to a peer. The engine sends no heartbeats while a write
-    /// blocks, so keep it at most the job's timeout (the trainer sets it to `--timeout`).
+    /// How long a connection may take nothing before its peer is reported lost: the limit of
+    /// one write on its writer thread and of a frame's wait for room in its queue. It also
+    /// paces keepalive (a vanished host is found about this long after it went silent). The
+    /// trainer sets it to `--timeout`.
     pub io_timeout: Duration,
     /// Largest frame body accepted or sent.
     pub max_frame_bytes: u64,
@@ -92,8 +94,8 @@ pub mod env {
     /// A file holding the shared secret, readable by its owner only (mode 0600), instead of
     /// [`SECRET`].
     pub const SECRET_FILE: &str = "WAGMA_SECRET_FILE";
-    /// Seconds one blocking write to a peer may take (default 60); see
-    /// [`super::TcpConfig::io_timeout`].
+    /// Seconds a connection may take nothing before its peer is reported lost (default 60);
+    /// see [`super::TcpConfig::io_timeout`].
     pub const IO_TIMEOUT: &str = "WAGMA_IO_TIMEOUT_S";
     /// `1`: tag every frame for integrity (see [`super::TcpConfig::frame_integrity`]).
     pub const FRAME_INTEGRITY: &str = "WAGMA_FRAME_INTEGRITY";
