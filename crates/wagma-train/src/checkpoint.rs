@@ -337,7 +337,7 @@ pub fn commit_observed(
     on_step(CommitStep::LatestStaged);
     publish(&staged, &dir.join(LATEST))?;
     on_step(CommitStep::LatestReplaced);
-    prune(dir, keep);
+    prune(dir, keep, &done);
     clear_unfinished(dir, iteration);
     on_step(CommitStep::Pruned);
     Ok(done)
@@ -389,7 +389,9 @@ pub fn abandon(dir: &Path, iteration: u64) {
     let _ = std::fs::remove_dir_all(tmp_dir(dir, iteration));
 }
 
-fn prune(dir: &Path, keep: usize) {
+/// Removes checkpoints beyond the newest `keep` by name, never `latest` (the one `LATEST` now
+/// names: after a resume from an older checkpoint it may sort before others).
+fn prune(dir: &Path, keep: usize, latest: &Path) {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return;
     };
@@ -401,9 +403,13 @@ fn prune(dir: &Path, keep: usize) {
                 .is_some_and(|n| n.to_string_lossy().starts_with("ckpt-"))
         })
         .collect();
+    all.retain(|p| p != latest);
     all.sort();
     let n = all.len();
-    for old in all.into_iter().take(n.saturating_sub(keep)) {
+    for old in all
+        .into_iter()
+        .take(n.saturating_sub(keep.saturating_sub(1)))
+    {
         let _ = std::fs::remove_dir_all(old);
     }
 }
@@ -652,6 +658,24 @@ mod tests {
         assert_eq!(read_rank(&c, &m, 2).unwrap(), state(2, 10));
         let e = read_rank(&c, &m, 1).unwrap_err().to_string();
         assert!(e.contains("holds no state of rank 1"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn pruning_never_removes_the_checkpoint_latest_names() {
+        // A run resumed from iteration 10 commits 15 while 20 and 30 exist (they sort after).
+        let d = tempdir("prune");
+        for it in [10, 20, 30, 15] {
+            write_all(&d, &[0, 1], it);
+            commit(&d, meta(it), &[0, 1], 2).unwrap();
+        }
+        let c = locate(&d).unwrap();
+        assert!(c.ends_with("ckpt-0000000015"));
+        let m = read_meta(&c).unwrap();
+        assert_eq!(read_rank(&c, &m, 1).unwrap(), state(1, 15));
+        // Two kept: the latest and the newest other one.
+        assert!(d.join("ckpt-0000000030").exists());
+        assert!(!d.join("ckpt-0000000020").exists() && !d.join("ckpt-0000000010").exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
 

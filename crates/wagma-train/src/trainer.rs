@@ -482,13 +482,17 @@ pub fn run<W: Workload>(
             None => threaded::run(cfg.ranks, engine, task)?,
             Some((mut c, handle)) => {
                 let r = block_on(task(&mut c));
-                match &r {
-                    Ok(_) => {
-                        block_on(c.finish())?;
+                let finished = match &r {
+                    Ok(_) => block_on(c.finish()).map(drop),
+                    Err(_) => {
+                        c.abort();
+                        Ok(())
                     }
-                    Err(_) => c.abort(),
-                }
+                };
+                // The engine thread writes the farewells (an abort names its culprit) before
+                // it ends: wait for it before this process can exit.
                 let _ = handle.join();
+                finished?;
                 JobResult {
                     first_failure: r.is_err().then_some(0),
                     ranks: vec![r],

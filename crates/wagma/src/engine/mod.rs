@@ -653,10 +653,12 @@ impl Engine {
             .find(|r| now.saturating_sub(r.started) >= timeout)
         {
             let missing = r.missing();
-            if self.cfg.elastic && !missing.is_empty() {
+            if self.cfg.elastic && !missing.is_empty() && r.single_phase() {
                 // A peer that has delivered nothing for an operation in a whole timeout is
                 // as good as dead to it, even if its heartbeats arrived until a moment ago
-                // (a partition that began during the operation): continue without it.
+                // (a partition that began during the operation): continue without it. (The
+                // elastic rounds and collectives are single full exchanges; in a staged
+                // schedule the peer a later phase waits for may itself be waiting.)
                 let reason = format!(
                     "{} received nothing from it within {:.1} s",
                     r.op,

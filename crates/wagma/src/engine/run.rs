@@ -117,6 +117,12 @@ impl Running {
         }
     }
 
+    /// True when the schedule has one phase, so that its start is when it began waiting on
+    /// every peer it misses (a later phase's wait may be caused by a peer of an earlier one).
+    pub fn single_phase(&self) -> bool {
+        self.schedule.phases.len() <= 1
+    }
+
     /// Every peer of the schedule.
     pub fn peers(&self) -> Vec<Rank> {
         self.schedule.peers()

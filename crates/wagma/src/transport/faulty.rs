@@ -131,4 +131,12 @@ impl<T: Transport> Transport for FaultyTransport<T> {
     fn poll_interval(&self) -> Option<Duration> {
         Some(Duration::from_millis(1))
     }
+
+    fn leaving(&mut self) {
+        self.inner.leaving();
+    }
+
+    fn taken(&self, from: Rank) {
+        self.inner.taken(from);
+    }
 }

@@ -304,7 +304,7 @@ const FAREWELL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 impl Transport for TcpTransport {
     fn leaving(&mut self) {
         self.adopted.take_into(&mut self.writers);
-        for w in self.writers.iter().flatten() {
+        for w in self.writers.iter_mut().flatten() {
             w.shorten(FAREWELL_WRITE_TIMEOUT);
         }
     }

@@ -4,22 +4,17 @@
 
 use std::io::{BufWriter, Write};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{SendTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Sender};
 
 use super::integrity::{self, FrameMac};
 use crate::Rank;
 use crate::error::TransportError;
 use crate::transport::Envelope;
 use crate::transport::frame::write_frame;
-
-/// Frames that may wait for a connection's thread. Their payloads are shared views of the
-/// engine's buffers, so waiting costs no copy; a connection that lets this many pile up for
-/// a whole write timeout is stalled.
-const QUEUE: usize = 64;
 
 /// What a connection's thread writes.
 enum Job {
@@ -28,7 +23,10 @@ enum Job {
     Raw(Vec<u8>),
 }
 
-/// The write half of a connection to one peer.
+/// The write half of a connection to one peer. Queueing never blocks: frames are shared views
+/// of the engine's buffers (no copy), and what a correct job sends one peer ahead of its
+/// answers is bounded by its protocol. A connection whose current write has made no progress
+/// for the I/O timeout is stalled, and sends to it fail.
 pub(in crate::transport::tcp) struct Writer {
     peer: Rank,
     jobs: Option<Sender<Job>>,
@@ -36,9 +34,15 @@ pub(in crate::transport::tcp) struct Writer {
     socket: TcpStream,
     /// Why the thread stopped, once it has.
     failed: Arc<Mutex<Option<String>>>,
-    thread: Option<JoinHandle<()>>,
-    /// How long a frame may wait for room in the queue.
+    /// When the write in progress began (nanoseconds since `origin`, plus one); 0 when idle.
+    busy_since: Arc<AtomicU64>,
+    origin: Instant,
+    /// Closed by the thread when it ends.
+    ended: Receiver<()>,
+    /// How long a stalled write may take before sends fail.
     io_timeout: Duration,
+    /// How long dropping the writer waits for the queued frames to be written.
+    linger: Duration,
     max_frame: u64,
 }
 
@@ -55,14 +59,21 @@ impl Writer {
         let socket = st
             .try_clone()
             .map_err(|e| TransportError::io("configuring a connection", &e))?;
-        let (tx, rx) = crossbeam_channel::bounded::<Job>(QUEUE);
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let (end_tx, ended) = crossbeam_channel::bounded::<()>(0);
         let failed = Arc::new(Mutex::new(None));
         let why = Arc::clone(&failed);
-        let thread = std::thread::Builder::new()
+        let origin = Instant::now();
+        let busy_since = Arc::new(AtomicU64::new(0));
+        let busy = Arc::clone(&busy_since);
+        std::thread::Builder::new()
             .name(format!("wagma-tcp-{me}->{peer}"))
             .spawn(move || {
+                let _end = end_tx;
                 let mut out = BufWriter::with_capacity(64 * 1024, st);
                 for job in rx {
+                    let since = u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    busy.store(since.saturating_add(1), Ordering::Release);
                     let written = match job {
                         Job::Frame(env) => write_one(&mut out, &mut mac, &env, max_frame),
                         Job::Raw(bytes) => out
@@ -70,9 +81,14 @@ impl Writer {
                             .and_then(|()| out.flush())
                             .map_err(|e| TransportError::io("injecting bytes", &e)),
                     };
+                    busy.store(0, Ordering::Release);
                     if let Err(e) = written {
-                        // Dropping the queue's receiver makes every later send fail with this.
+                        // Dropping the queue's receiver makes every later send fail with this;
+                        // the half-written frame is not flushed again, and the peer's reader
+                        // sees the connection end instead of waiting for the rest.
                         *why.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+                        let (st, _) = out.into_parts();
+                        let _ = st.shutdown(std::net::Shutdown::Both);
                         return;
                     }
                 }
@@ -83,8 +99,11 @@ impl Writer {
             jobs: Some(tx),
             socket,
             failed,
-            thread: Some(thread),
+            busy_since,
+            origin,
+            ended,
             io_timeout,
+            linger: io_timeout,
             max_frame,
         })
     }
@@ -106,21 +125,25 @@ impl Writer {
         let Some(jobs) = &self.jobs else {
             return Err(self.lost("the connection is closing".into()));
         };
-        match jobs.send_timeout(job, self.io_timeout) {
-            Ok(()) => Ok(()),
-            Err(SendTimeoutError::Timeout(_)) => Err(self.lost(format!(
-                "the connection took no frame for {:.1} s",
-                self.io_timeout.as_secs_f64()
-            ))),
-            Err(SendTimeoutError::Disconnected(_)) => {
-                let why = self
-                    .failed
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone();
-                Err(self.lost(why.unwrap_or_else(|| "the writer thread stopped".into())))
+        let since = self.busy_since.load(Ordering::Acquire);
+        if since > 0 {
+            let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let stalled = Duration::from_nanos(now.saturating_sub(since - 1));
+            if stalled >= self.io_timeout {
+                return Err(self.lost(format!(
+                    "the connection took no frame for {:.1} s",
+                    stalled.as_secs_f64()
+                )));
             }
         }
+        jobs.send(job).map_err(|_| {
+            let why = self
+                .failed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            self.lost(why.unwrap_or_else(|| "the writer thread stopped".into()))
+        })
     }
 
     fn lost(&self, message: String) -> TransportError {
@@ -130,26 +153,26 @@ impl Writer {
         }
     }
 
-    /// Bounds each remaining write (the farewell) by `limit`.
-    pub fn shorten(&self, limit: Duration) {
+    /// Bounds each later write, and the wait for the queue to drain when the writer is
+    /// dropped, by `limit` (the farewell: a write already blocked ends by closing the socket).
+    pub fn shorten(&mut self, limit: Duration) {
         let _ = self.socket.set_write_timeout(Some(limit));
+        self.linger = self.linger.min(limit);
     }
 
-    /// Closes a connection that is lost without writing what is queued on it (which may
-    /// block until the write timeout): the thread's next write fails and it ends.
+    /// Closes a connection that is lost without writing what is queued on it: the thread's
+    /// next write fails and it ends.
     pub fn abandon(mut self) {
-        let _ = self.socket.shutdown(std::net::Shutdown::Both);
-        drop(self.thread.take());
+        self.linger = Duration::ZERO;
     }
 }
 
 impl Drop for Writer {
-    /// Writes what is queued (each write bounded by the socket's timeout), then closes.
+    /// Writes what is queued, waiting at most the linger time, then closes the socket (which
+    /// also ends a write still blocked).
     fn drop(&mut self) {
         drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        let _ = self.ended.recv_timeout(self.linger);
         let _ = self.socket.shutdown(std::net::Shutdown::Both);
     }
 }
