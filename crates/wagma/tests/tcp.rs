@@ -322,10 +322,7 @@ fn note(from: usize, seq: u64) -> wagma::transport::Envelope {
 fn a_restarted_rank_reconnects_to_every_living_peer() {
     use wagma::transport::tcp::{TcpTransport, connect};
     use wagma::transport::{Incoming, Transport};
-    let cred = Credentials {
-        job_id: "rejoin".into(),
-        secret: b"rejoin-secret".to_vec(),
-    };
+    let cred = job_credentials("rejoin");
     let config = |rank: usize, rdv: &str, rejoin: bool| {
         let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
         c.connect_timeout = Duration::from_secs(20);
@@ -442,10 +439,7 @@ fn rendezvous_in_thread(
 
 #[test]
 fn silent_and_trickling_callers_do_not_hold_up_the_start() {
-    let cred = Credentials {
-        job_id: "patient".into(),
-        secret: b"patient-secret".to_vec(),
-    };
+    let cred = job_credentials("patient");
     let config = |rank: usize, rdv: &str| {
         let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
         // Far longer than a correct start-up takes on any machine, far shorter than the
@@ -533,6 +527,14 @@ fn a_secret_file_others_can_read_is_refused() {
     );
 }
 
+/// The credentials of a test job named `name` (its secret derived from the name).
+fn job_credentials(name: &str) -> Credentials {
+    Credentials {
+        job_id: name.into(),
+        secret: format!("{name}-secret").into_bytes(),
+    }
+}
+
 /// A job of two ranks in this process, each configured by `tweak`: rank 0's transport and
 /// inbox, and rank 1's transport.
 fn two_ranks(
@@ -543,10 +545,7 @@ fn two_ranks(
     crossbeam_channel::Receiver<wagma::transport::Incoming>,
     wagma::transport::tcp::TcpTransport,
 ) {
-    let cred = Credentials {
-        job_id: name.into(),
-        secret: format!("{name}-secret").into_bytes(),
-    };
+    let cred = job_credentials(name);
     let config = |rank: usize, rdv: &str| {
         let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
         c.connect_timeout = Duration::from_secs(30);
@@ -635,10 +634,7 @@ fn a_peer_that_floods_the_inbox_is_reported_lost() {
 #[test]
 fn a_stalled_peer_delays_only_what_goes_to_it() {
     use wagma::transport::{Envelope, Incoming, Kind, Meta, Tag, Transport};
-    let cred = Credentials {
-        job_id: "stalled".into(),
-        secret: b"stalled-secret".to_vec(),
-    };
+    let cred = job_credentials("stalled");
     let config = |rank: usize, rdv: &str| {
         let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
         c.connect_timeout = Duration::from_secs(30);
