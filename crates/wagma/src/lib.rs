@@ -30,7 +30,7 @@ pub mod util;
 /// A rank id, `0..P`.
 pub type Rank = usize;
 
-pub use engine::{EngineConfig, RoundResult, StreamConfig};
+pub use engine::{EngineConfig, RoundMembers, RoundResult, StreamConfig};
 pub use error::{ConfigError, Error, Result};
 pub use exec::{Comm, CommStats, JobResult, block_on};
 pub use payload::Payload;

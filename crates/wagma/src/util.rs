@@ -64,6 +64,25 @@ impl Histogram {
         }
     }
 
+    /// Counts every value of `values` (runs of equal values cost one update).
+    pub fn record_all(&mut self, values: impl IntoIterator<Item = u64>) {
+        let mut run: Option<(u64, u64)> = None;
+        for v in values {
+            match &mut run {
+                Some((last, n)) if *last == v => *n += 1,
+                _ => {
+                    if let Some((last, n)) = run {
+                        self.record_n(last, n);
+                    }
+                    run = Some((v, 1));
+                }
+            }
+        }
+        if let Some((last, n)) = run {
+            self.record_n(last, n);
+        }
+    }
+
     /// Adds every count of `other`.
     pub fn merge(&mut self, other: &Histogram) {
         for (&v, &c) in &other.counts {
@@ -109,5 +128,24 @@ impl std::fmt::Display for Histogram {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let parts: Vec<String> = self.iter().map(|(v, c)| format!("{v}:{c}")).collect();
         write!(f, "{{{}}}", parts.join(" "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Histogram;
+
+    #[test]
+    fn record_all_counts_like_record() {
+        let values = [0, 0, 3, 0, 1, 1, 1, 7, 0];
+        let mut one_by_one = Histogram::default();
+        values.iter().for_each(|&v| one_by_one.record(v));
+        let mut all = Histogram::default();
+        all.record_all(values);
+        all.record_all([]);
+        assert_eq!(all, one_by_one);
+        assert_eq!(all.count(0), 4);
+        assert_eq!(all.count(1), 3);
+        assert_eq!(all.total(), 9);
     }
 }

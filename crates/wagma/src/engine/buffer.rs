@@ -11,6 +11,9 @@ use crate::payload::{Payload, pool};
 pub(super) struct WorkBuf {
     len: usize,
     segs: Vec<(Range<usize>, Payload)>,
+    /// Started from a virtual payload: whatever is summed or moved in, the result is a size
+    /// (as if the segments were kept and joined), so nothing is kept.
+    virtual_: bool,
 }
 
 impl WorkBuf {
@@ -18,6 +21,7 @@ impl WorkBuf {
         let len = p.len();
         WorkBuf {
             len,
+            virtual_: p.is_virtual(),
             segs: vec![(0..len, p)],
         }
     }
@@ -28,6 +32,9 @@ impl WorkBuf {
 
     /// A read-only view of `range` for a send.
     pub fn view(&mut self, range: Range<usize>) -> Payload {
+        if self.virtual_ {
+            return Payload::Size(range.len());
+        }
         if let Some((r, p)) = self
             .segs
             .iter_mut()
@@ -78,6 +85,10 @@ impl WorkBuf {
         if others.is_empty() {
             return;
         }
+        if self.virtual_ {
+            others.into_iter().for_each(|(_, p)| p.recycle());
+            return;
+        }
         let (mine, exclusive) = self.part(&range);
         let mut items = others;
         items.push((rank, mine));
@@ -114,6 +125,10 @@ impl WorkBuf {
     /// Sets `range` to `p` (moved in, no copy).
     pub fn replace(&mut self, range: Range<usize>, p: Payload) {
         if range.is_empty() {
+            return;
+        }
+        if self.virtual_ {
+            p.recycle();
             return;
         }
         let mut out = Vec::with_capacity(self.segs.len() + 2);

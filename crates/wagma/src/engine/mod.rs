@@ -32,7 +32,8 @@ use crate::Rank;
 
 pub use join::Welcome;
 pub use stream::{
-    ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger, initiator,
+    ContributionMode, ReadMode, RoundKind, RoundMembers, RoundResult, StreamConfig, Trigger,
+    initiator,
 };
 
 use passive::Passive;
@@ -245,6 +246,11 @@ pub struct Engine {
     early_pairs: Vec<Envelope>,
     outstanding: BTreeMap<ReqId, Op>,
     departed: Vec<bool>,
+    /// True once any peer said goodbye (a rejoin does not reset it): until then, nothing
+    /// running can wait on a departed peer.
+    any_departed: bool,
+    /// The sends of a schedule's phase, reused from phase to phase.
+    sends: Vec<(Rank, Envelope)>,
     /// Peers declared dead (elastic mode).
     dead: Vec<bool>,
     /// Dead peers that announced a restart.
@@ -278,6 +284,8 @@ impl Engine {
             early_pairs: Vec::new(),
             outstanding: BTreeMap::new(),
             departed: vec![false; ranks],
+            any_departed: false,
+            sends: Vec::new(),
             dead: vec![false; ranks],
             joining: vec![false; ranks],
             welcome: None,
@@ -560,6 +568,7 @@ impl Engine {
             CONTROL_BYE => {
                 if let Some(d) = self.departed.get_mut(env.from) {
                     *d = true;
+                    self.any_departed = true;
                 }
             }
             join::CONTROL_JOIN => self.on_join(env.from),
@@ -853,15 +862,15 @@ impl Engine {
             }
             let mut progressed = false;
             let mut i = 0;
+            let mut sends = std::mem::take(&mut self.sends);
             while i < self.running.len() {
-                let mut sends = Vec::new();
                 let step = {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
                     let dead = &self.dead;
                     self.running[i].advance(rank, unexpected, &mut sends, dead)
                 };
-                for (to, env) in sends {
+                for (to, env) in sends.drain(..) {
                     self.send(to, env, out);
                 }
                 match step {
@@ -877,9 +886,13 @@ impl Engine {
                     }
                 }
             }
+            self.sends = sends;
             if !progressed {
                 break;
             }
+        }
+        if !self.any_departed {
+            return;
         }
         let departed = &self.departed;
         if let Some((r, peer)) = self.running.iter().find_map(|r| {

@@ -1,6 +1,7 @@
 //! One schedule being executed by the engine.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 
 use super::buffer::WorkBuf;
 use super::{ReqId, Time};
@@ -233,15 +234,29 @@ impl Running {
     /// What is wrong with a peer's contribution list, if anything: a rank outside this
     /// schedule's members, or ranks not strictly ascending (a rank counted twice).
     fn foreign_contribution(&self, list: &[Contribution]) -> Option<String> {
-        if let Some(c) = list.iter().find(|c| !self.members.contains(c.rank)) {
+        let ascending = list.windows(2).all(|w| w[0].rank < w[1].rank);
+        let outside = if ascending {
+            // Both sorted: one walk over the members.
+            match &self.members {
+                Members::Job(n) => list.last().filter(|c| c.rank >= *n),
+                Members::Group(g) => {
+                    let mut members = g.iter().peekable();
+                    list.iter().find(|c| {
+                        while members.next_if(|&&m| m < c.rank).is_some() {}
+                        members.next_if(|&&m| m == c.rank).is_none()
+                    })
+                }
+            }
+        } else {
+            list.iter().find(|c| !self.members.contains(c.rank))
+        };
+        if let Some(c) = outside {
             return Some(format!(
                 "rank {} is not among the members {}",
                 c.rank, self.members
             ));
         }
-        list.windows(2)
-            .any(|w| w[0].rank >= w[1].rank)
-            .then(|| "the ranks are not strictly ascending".to_string())
+        (!ascending).then(|| "the ranks are not strictly ascending".to_string())
     }
 
     /// Runs phases as far as the received messages allow; `Ok(true)` when finished.
@@ -279,12 +294,16 @@ impl Running {
                     };
                     sends.push((s.peer, env));
                 }
-                self.got = phase.recvs.iter().map(|_| None).collect();
-                self.absent = phase
-                    .recvs
-                    .iter()
-                    .map(|r| dead.get(r.peer).copied().unwrap_or(false))
-                    .collect();
+                // Refilled in place: a schedule runs many phases of equal shape.
+                self.got.clear();
+                self.got.resize_with(phase.recvs.len(), || None);
+                self.absent.clear();
+                self.absent.extend(
+                    phase
+                        .recvs
+                        .iter()
+                        .map(|r| dead.get(r.peer).copied().unwrap_or(false)),
+                );
                 self.waiting = self.absent.iter().filter(|&&a| !a).count();
                 self.index.clear();
                 if phase.recvs.len() > 8 {
@@ -324,52 +343,81 @@ impl Running {
             if self.waiting > 0 {
                 return Ok(false);
             }
-            let combine = phase.combine;
-            let ranges: Vec<_> = phase.recvs.iter().map(|r| r.range.clone()).collect();
+            let mut got = std::mem::take(&mut self.got);
+            let single = got.iter().filter(|g| g.is_some()).count() == 1;
             // Absent slots (dead peers) contribute nothing.
-            let (ranges, got): (Vec<_>, Vec<_>) = ranges
-                .into_iter()
-                .zip(self.got.drain(..))
-                .filter_map(|(r, g)| g.map(|e| (r, e)))
-                .unzip();
-            match combine {
-                Combine::Sum => self.sum(rank, ranges, got),
-                Combine::Copy => self.copy(ranges, got),
+            let received = phase
+                .recvs
+                .iter()
+                .zip(got.drain(..))
+                .filter_map(|(r, g)| g.map(|e| (r.range.clone(), e)));
+            match phase.combine {
+                Combine::Sum => Self::sum(
+                    &mut self.buf,
+                    &mut self.weight,
+                    self.track.then_some(&mut self.contributions),
+                    rank,
+                    received,
+                ),
+                Combine::Copy => Self::copy(
+                    &mut self.buf,
+                    &mut self.weight,
+                    self.track.then_some(&mut self.contributions),
+                    single,
+                    received,
+                ),
             }
+            self.got = got;
             self.phase += 1;
             self.posted = false;
         }
     }
 
-    /// Folds the received ranges and the local one in ascending rank order.
-    fn sum(&mut self, rank: Rank, ranges: Vec<std::ops::Range<usize>>, got: Vec<Envelope>) {
-        let Some(range) = ranges.first().cloned() else {
+    /// Folds the received ranges (all the same range) and the local one in ascending rank
+    /// order, weights included.
+    fn sum(
+        buf: &mut WorkBuf,
+        weight: &mut f64,
+        mut contributions: Option<&mut Vec<Contribution>>,
+        rank: Rank,
+        received: impl Iterator<Item = (Range<usize>, Envelope)>,
+    ) {
+        let mut range = None;
+        let mut others = Vec::new();
+        for (r, env) in received {
+            range.get_or_insert(r);
+            if let Some(c) = contributions.as_deref_mut() {
+                merge(c, &env.meta.contributions);
+            }
+            others.push((env.from, env.meta.weight, env.data));
+        }
+        let Some(range) = range else {
             return;
         };
-        let mut weights: Vec<(Rank, f64)> = got.iter().map(|e| (e.from, e.meta.weight)).collect();
-        weights.push((rank, self.weight));
-        weights.sort_by_key(|(r, _)| *r);
-        self.weight = weights.iter().skip(1).fold(weights[0].1, |w, (_, x)| w + x);
-        let mut others = Vec::with_capacity(got.len());
-        for env in got {
-            if self.track {
-                merge(&mut self.contributions, &env.meta.contributions);
-            }
-            others.push((env.from, env.data));
-        }
-        self.buf.sum(rank, range, others);
+        *weight = fold_weights(rank, *weight, &mut others);
+        buf.sum(
+            rank,
+            range,
+            others.into_iter().map(|(r, _, p)| (r, p)).collect(),
+        );
     }
 
-    fn copy(&mut self, ranges: Vec<std::ops::Range<usize>>, got: Vec<Envelope>) {
-        let whole = ranges.len() == 1 && ranges[0].len() == self.buf.len();
-        for (range, env) in ranges.into_iter().zip(got) {
-            if self.track {
-                merge(&mut self.contributions, &env.meta.contributions);
+    fn copy(
+        buf: &mut WorkBuf,
+        weight: &mut f64,
+        mut contributions: Option<&mut Vec<Contribution>>,
+        single: bool,
+        received: impl Iterator<Item = (Range<usize>, Envelope)>,
+    ) {
+        for (range, env) in received {
+            if let Some(c) = contributions.as_deref_mut() {
+                merge(c, &env.meta.contributions);
             }
-            if whole {
-                self.weight = env.meta.weight;
+            // A copy of the whole buffer carries the sender's weight too.
+            if single && range.len() == buf.len() {
+                *weight = env.meta.weight;
             }
-            self.buf.replace(range, env.data);
+            buf.replace(range, env.data);
         }
     }
 
@@ -410,9 +458,89 @@ impl Running {
     }
 }
 
-/// Adds `more` to the sorted, rank-unique `into`.
+/// The sum of `own` (this rank's weight) and the others' weights, added in ascending rank order
+/// (so that every member computes the same bits); sorts `others` by rank.
+fn fold_weights(rank: Rank, own: f64, others: &mut [(Rank, f64, Payload)]) -> f64 {
+    others.sort_by_key(|(r, _, _)| *r);
+    let below = others.partition_point(|(r, _, _)| *r < rank);
+    let (lo, hi) = others.split_at(below);
+    let mut ws = lo
+        .iter()
+        .map(|o| o.1)
+        .chain([own])
+        .chain(hi.iter().map(|o| o.1));
+    let first = ws.next().unwrap_or(own);
+    ws.fold(first, |w, x| w + x)
+}
+
+/// Adds the sorted, rank-unique `more` to the sorted, rank-unique `into`, keeping the newest
+/// contribution of a rank named by both.
 fn merge(into: &mut Vec<Contribution>, more: &[Contribution]) {
+    // The second half of an allreduce passes around lists every member already has.
+    if more.is_empty() || into.as_slice() == more {
+        return;
+    }
+    if into.last().is_none_or(|l| l.rank < more[0].rank) {
+        into.extend_from_slice(more);
+        return;
+    }
+    // In place, from the back (no allocation once `into` has grown): `k` is where the next
+    // largest goes; `k >= i` always (`k = i + j + ranks named by both so far`), so nothing
+    // unread is overwritten.
+    let n = into.len();
     into.extend_from_slice(more);
-    into.sort_unstable_by_key(|c| (c.rank, std::cmp::Reverse(c.steps)));
-    into.dedup_by_key(|c| c.rank);
+    let (mut i, mut j, mut k) = (n, more.len(), n + more.len());
+    while j > 0 {
+        k -= 1;
+        let y = more[j - 1];
+        match into[..i].last().copied() {
+            Some(x) if x.rank > y.rank => {
+                into[k] = x;
+                i -= 1;
+            }
+            Some(x) if x.rank == y.rank => {
+                into[k] = if y.steps > x.steps { y } else { x };
+                i -= 1;
+                j -= 1;
+            }
+            _ => {
+                into[k] = y;
+                j -= 1;
+            }
+        }
+    }
+    let both = k - i;
+    into.copy_within(k.., i);
+    into.truncate(n + more.len() - both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(v: &[(Rank, u64)]) -> Vec<Contribution> {
+        v.iter()
+            .map(|&(rank, steps)| Contribution { rank, steps })
+            .collect()
+    }
+
+    #[test]
+    fn merge_keeps_ranks_sorted_unique_and_newest() {
+        let mut a = list(&[(1, 5), (3, 2), (7, 9)]);
+        merge(&mut a, &list(&[(0, 1), (3, 4), (7, 8), (9, 1)]));
+        assert_eq!(a, list(&[(0, 1), (1, 5), (3, 4), (7, 9), (9, 1)]));
+        let mut b = list(&[(0, 1)]);
+        merge(&mut b, &list(&[(2, 2), (4, 4)]));
+        assert_eq!(b, list(&[(0, 1), (2, 2), (4, 4)]));
+        let mut d = list(&[(2, 1), (5, 5), (6, 6)]);
+        merge(&mut d, &list(&[(1, 1), (2, 3), (6, 2)]));
+        assert_eq!(d, list(&[(1, 1), (2, 3), (5, 5), (6, 6)]));
+        let mut e = list(&[(1, 1), (2, 3)]);
+        merge(&mut e, &list(&[(1, 1), (2, 3)]));
+        assert_eq!(e, list(&[(1, 1), (2, 3)]));
+        let mut c = Vec::new();
+        merge(&mut c, &list(&[(2, 2)]));
+        merge(&mut c, &[]);
+        assert_eq!(c, list(&[(2, 2)]));
+    }
 }

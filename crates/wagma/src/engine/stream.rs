@@ -104,7 +104,60 @@ pub enum RoundKind {
 struct Outcome {
     kind: RoundKind,
     sum: Arc<Payload>,
-    members: Vec<Contribution>,
+    members: RoundMembers,
+}
+
+/// The members of a completed round and the steps each contribution embodied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoundMembers {
+    /// Every rank of a job of `ranks`, each contribution embodying `steps` local steps (a
+    /// global sync outside elastic mode): kept as two numbers, since a list would cost every
+    /// rank memory and time proportional to the job at every sync.
+    All {
+        /// Ranks of the job.
+        ranks: usize,
+        /// Local steps every contribution embodied.
+        steps: u64,
+    },
+    /// These contributions, sorted by rank.
+    Listed(Vec<Contribution>),
+}
+
+impl RoundMembers {
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        match self {
+            RoundMembers::All { ranks, .. } => *ranks,
+            RoundMembers::Listed(v) => v.len(),
+        }
+    }
+
+    /// True when no member is known (an elastic sync whose members were not reported).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The contributions, in rank order.
+    pub fn iter(&self) -> impl Iterator<Item = Contribution> + '_ {
+        let (all, listed) = match self {
+            RoundMembers::All { ranks, steps } => (Some((*ranks, *steps)), &[][..]),
+            RoundMembers::Listed(v) => (None, v.as_slice()),
+        };
+        all.into_iter()
+            .flat_map(|(ranks, steps)| (0..ranks).map(move |rank| Contribution { rank, steps }))
+            .chain(listed.iter().copied())
+    }
+
+    /// The contribution of `rank`, if it is a member.
+    pub fn get(&self, rank: Rank) -> Option<Contribution> {
+        match self {
+            RoundMembers::All { ranks, steps } => (rank < *ranks).then_some(Contribution {
+                rank,
+                steps: *steps,
+            }),
+            RoundMembers::Listed(v) => v.binary_search_by_key(&rank, |c| c.rank).ok().map(|i| v[i]),
+        }
+    }
 }
 
 /// What the compute side gets when it arrives at a round.
@@ -118,8 +171,8 @@ pub struct RoundResult {
     pub kind: RoundKind,
     /// Sum of the members' contributions.
     pub sum: Arc<Payload>,
-    /// The members and the steps each contribution embodied, sorted by rank.
-    pub members: Vec<Contribution>,
+    /// The members and the steps each contribution embodied.
+    pub members: RoundMembers,
     /// This rank's contribution.
     pub own: Contribution,
     /// True when this rank's contribution was the one it arrived with.
@@ -138,6 +191,22 @@ impl RoundResult {
     /// Staleness of each member's contribution relative to `round`.
     pub fn staleness(&self) -> impl Iterator<Item = u64> + '_ {
         self.members.iter().map(|c| c.staleness(self.round))
+    }
+
+    /// Counts the staleness of each member's contribution into `into` (in constant time for a
+    /// global sync, whatever the job's size).
+    pub fn record_staleness(&self, into: &mut crate::util::Histogram) {
+        match &self.members {
+            RoundMembers::All { ranks, steps } => {
+                let s = Contribution {
+                    rank: 0,
+                    steps: *steps,
+                }
+                .staleness(self.round);
+                into.record_n(s, *ranks as u64);
+            }
+            RoundMembers::Listed(_) => into.record_all(self.staleness()),
+        }
     }
 }
 
@@ -619,14 +688,12 @@ impl Engine {
         // A sync only runs once every rank has arrived: every member is fresh, and its
         // messages carry no member lists (except in elastic mode, where who is left counts).
         let members = if kind == RoundKind::Sync && !elastic {
-            (0..ranks)
-                .map(|rank| Contribution {
-                    rank,
-                    steps: round + 1,
-                })
-                .collect()
+            RoundMembers::All {
+                ranks,
+                steps: round + 1,
+            }
         } else {
-            members
+            RoundMembers::Listed(members)
         };
         s.results.insert(
             round,
@@ -682,9 +749,7 @@ impl Engine {
         };
         let own = outcome
             .members
-            .iter()
-            .find(|c| c.rank == rank)
-            .copied()
+            .get(rank)
             .unwrap_or(Contribution { rank, steps: 0 });
         let result = RoundResult {
             requested: w.round,
@@ -696,5 +761,39 @@ impl Engine {
             members: outcome.members,
         };
         self.complete(w.id, Ok(Response::Round(result)), out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::Histogram;
+
+    #[test]
+    fn all_members_read_like_the_list_they_stand_for() {
+        let all = RoundMembers::All { ranks: 4, steps: 7 };
+        let list =
+            RoundMembers::Listed((0..4).map(|rank| Contribution { rank, steps: 7 }).collect());
+        for m in [&all, &list] {
+            assert_eq!(m.len(), 4);
+            assert!(!m.is_empty());
+            assert_eq!(m.iter().map(|c| c.rank).collect::<Vec<_>>(), [0, 1, 2, 3]);
+            assert_eq!(m.get(2), Some(Contribution { rank: 2, steps: 7 }));
+            assert_eq!(m.get(4), None);
+        }
+        let result = |members| RoundResult {
+            requested: 7,
+            round: 8,
+            kind: RoundKind::Sync,
+            sum: Arc::new(Payload::Size(0)),
+            members,
+            own: Contribution { rank: 0, steps: 7 },
+            fresh: false,
+        };
+        let (mut a, mut b) = (Histogram::default(), Histogram::default());
+        result(all).record_staleness(&mut a);
+        result(list).record_staleness(&mut b);
+        assert_eq!(a, b);
+        assert_eq!(a.count(2), 4);
     }
 }

@@ -353,9 +353,7 @@ impl Comm {
     ) -> Result<RoundResult, Error> {
         match self.call(Request::Arrive { round, data, steps }).await? {
             Response::Round(r) => {
-                for s in r.staleness() {
-                    self.stats.staleness.record(s);
-                }
+                r.record_staleness(&mut self.stats.staleness);
                 if r.fresh {
                     self.stats.fresh_rounds += 1;
                 } else {

@@ -11,6 +11,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -125,34 +126,25 @@ fn message_key(to: Rank, env: &Envelope) -> u64 {
         ^ mix((env.tag.kind as u64) << 40 ^ (env.tag.step as u64) << 20 ^ env.meta.aux)
 }
 
+/// When an event happens and how ties are broken; the event itself waits in the core's slab,
+/// so that the heap moves only these few words.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct Scheduled {
     at: Duration,
     tie: u64,
     seq: u64,
-    event: Event,
-}
-
-impl PartialEq for Scheduled {
-    fn eq(&self, o: &Self) -> bool {
-        (self.at, self.tie, self.seq) == (o.at, o.tie, o.seq)
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Scheduled {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        (self.at, self.tie, self.seq).cmp(&(o.at, o.tie, o.seq))
-    }
+    /// Index of the event in the slab (unique, like `seq`: never decides an order).
+    slot: usize,
 }
 
 struct Core {
     now: Duration,
     engines: Vec<Engine>,
     events: BinaryHeap<Reverse<Scheduled>>,
+    /// The events of `events`, by `Scheduled::slot`.
+    slab: Vec<Option<Event>>,
+    /// Free entries of `slab`.
+    free: Vec<usize>,
     seq: u64,
     seed: u64,
     network: Box<dyn NetworkModel>,
@@ -160,6 +152,8 @@ struct Core {
     next_req: ReqId,
     submitted: VecDeque<(Rank, ReqId, Request)>,
     tick_at: Vec<Option<Duration>>,
+    /// The engines' actions, reused from event to event (it grows to the largest burst once).
+    out: Vec<Action>,
 }
 
 impl Core {
@@ -171,12 +165,30 @@ impl Core {
         };
         let tie = hash(self.seed, &[key, 0x7469_6521]);
         self.seq += 1;
+        let slot = match self.free.pop() {
+            Some(i) => {
+                self.slab[i] = Some(event);
+                i
+            }
+            None => {
+                self.slab.push(Some(event));
+                self.slab.len() - 1
+            }
+        };
         self.events.push(Reverse(Scheduled {
             at,
             tie,
             seq: self.seq,
-            event,
+            slot,
         }));
+    }
+
+    /// The earliest event, with the clock moved to it.
+    fn next_event(&mut self) -> Option<Event> {
+        let Reverse(s) = self.events.pop()?;
+        self.now = self.now.max(s.at);
+        self.free.push(s.slot);
+        self.slab[s.slot].take()
     }
 
     fn apply(&mut self, rank: Rank, out: &mut Vec<Action>) {
@@ -210,16 +222,17 @@ impl Core {
     }
 
     fn process_submissions(&mut self) {
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut self.out);
         while let Some((rank, id, req)) = self.submitted.pop_front() {
             let now = self.now;
             self.engines[rank].on_request(now, id, req, &mut out);
             self.apply(rank, &mut out);
         }
+        self.out = out;
     }
 
     fn handle(&mut self, event: Event) {
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut self.out);
         let now = self.now;
         match event {
             Event::Deliver { to, env } => {
@@ -235,6 +248,7 @@ impl Core {
                 self.apply(rank, &mut out);
             }
         }
+        self.out = out;
     }
 
     fn abort(&mut self, rank: Rank) {
@@ -331,6 +345,8 @@ where
         now: Duration::ZERO,
         engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
         events: BinaryHeap::new(),
+        slab: Vec::new(),
+        free: Vec::new(),
         seq: 0,
         seed: vcfg.seed,
         network: vcfg.network,
@@ -338,6 +354,7 @@ where
         next_req: 0,
         submitted: VecDeque::new(),
         tick_at: vec![None; ranks],
+        out: Vec::new(),
     }));
     let mut comms: Vec<Comm> = (0..ranks)
         .map(|rank| {
@@ -397,13 +414,7 @@ where
             if live == 0 {
                 break;
             }
-            let next = {
-                let mut c = lock(&core);
-                c.events.pop().map(|Reverse(s)| {
-                    c.now = c.now.max(s.at);
-                    s.event
-                })
-            };
+            let next = lock(&core).next_event();
             match next {
                 Some(event) => lock(&core).handle(event),
                 None => {

@@ -52,7 +52,7 @@ pub fn check_round(
     };
     assert_eq!(members, want_members, "rank {rank} round {}", r.round);
     let mut want = vec![0f64; len];
-    for c in &r.members {
+    for c in r.members.iter() {
         assert!(c.steps <= r.round + 1);
         if let Some(tau) = tau {
             assert!(
