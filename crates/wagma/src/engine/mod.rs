@@ -446,7 +446,15 @@ impl Engine {
         self.heard_from(now, env.from, beat);
         match env.tag.kind {
             Kind::Control => self.on_control(now, &env, out),
-            Kind::Activation => self.on_activation(now, &env, out),
+            Kind::Activation => {
+                let running = self.running.len();
+                self.on_activation(now, &env, out);
+                // Most activations are forwarded and start nothing: then no schedule can have
+                // progressed (two in five messages of a simulation are activations).
+                if self.running.len() == running {
+                    return;
+                }
+            }
             Kind::Pair if env.tag.step == 0 => {
                 if self.passive.is_some() {
                     self.on_pair_request(env, out);
