@@ -154,9 +154,13 @@ fn a_partition_of_an_elastic_job_stops_the_minority_and_the_majority_finishes() 
     }
     for r in &lines[3..5] {
         assert_ne!(r["exit"], 0, "{r}");
+        // Which rule a minority rank trips first is a race: it may declare rank 0 dead first
+        // ("without rank 0"), or see its partner stop before rank 0's silence runs out ("no
+        // strict majority"); either way the error states the quorum rule.
         let err = r["error"].as_str().unwrap();
         assert!(
-            err.contains("without rank 0") && err.contains("strict majority of the 5 ranks"),
+            (err.contains("without rank 0") || err.contains("are no strict majority"))
+                && err.contains("strict majority of the 5 ranks"),
             "the minority names the partition: {err}"
         );
         // Each side learns of the split within its timeout (silence, or nothing delivered
