@@ -65,6 +65,16 @@ impl Liveness {
         }
     }
 
+    /// True when `peer` was heard from within two heartbeat intervals of `now`: it is alive,
+    /// whatever keeps it from sending what an operation waits for.
+    pub fn heard_lately(&self, peer: Rank, now: Time) -> bool {
+        self.last_heard
+            .get(peer)
+            .copied()
+            .flatten()
+            .is_some_and(|t| now.saturating_sub(t) <= 2 * self.interval)
+    }
+
     pub fn next_deadline(&self) -> Time {
         self.next_beat
     }

@@ -46,6 +46,11 @@ pub type Time = Duration;
 /// Identifies a request of the compute side.
 pub type ReqId = u64;
 
+/// Timeouts an elastic operation waits in all for a peer that is still heard from but sends
+/// nothing for it (held up behind a lost peer, which its own timeout settles within about
+/// one), before giving up on it too.
+const LATE_PEER_TIMEOUTS: u32 = 3;
+
 /// Most messages one peer may have waiting for operations this rank has not started. A
 /// correct peer runs at most a few rounds ahead (WAGMA's tau bounds it), each a handful of
 /// messages; a peer beyond this is treated as lost.
@@ -664,28 +669,45 @@ impl Engine {
             return;
         }
         let timeout = self.cfg.timeout;
-        if let Some(r) = self
+        if let Some(i) = self
             .running
             .iter()
-            .find(|r| now.saturating_sub(r.started) >= timeout)
+            .position(|r| now.saturating_sub(r.timer_from) >= timeout)
         {
+            let r = &self.running[i];
             let missing = r.missing();
             if self.cfg.elastic && !missing.is_empty() && r.single_phase() {
-                // A peer that has delivered nothing for an operation in a whole timeout is
-                // as good as dead to it, even if its heartbeats arrived until a moment ago
-                // (a partition that began during the operation): continue without it. (The
-                // elastic rounds and collectives are single full exchanges; in a staged
-                // schedule the peer a later phase waits for may itself be waiting.)
+                // A peer that has delivered nothing for an operation in a whole timeout and
+                // has been silent lately is as good as dead to it, even if its heartbeats
+                // arrived until shortly before (a partition that began during the
+                // operation): continue without it. A peer still heard from is alive but
+                // behind, held up in an earlier operation by a peer its own timeouts will
+                // settle: declaring it dead would split the survivors, so wait another
+                // timeout for it, up to `LATE_PEER_TIMEOUTS` in all. (The elastic rounds and
+                // collectives are single full exchanges; in a staged schedule the peer a later
+                // phase waits for may itself be waiting.)
+                let patient = now.saturating_sub(r.started) < LATE_PEER_TIMEOUTS * timeout;
+                let (late, silent): (Vec<Rank>, Vec<Rank>) = missing.into_iter().partition(|&p| {
+                    patient
+                        && self
+                            .liveness
+                            .as_ref()
+                            .is_some_and(|l| l.heard_lately(p, now))
+                });
                 let reason = format!(
                     "{} received nothing from it within {:.1} s",
                     r.op,
                     timeout.as_secs_f64()
                 );
-                for p in missing {
+                if !late.is_empty() {
+                    self.running[i].timer_from = now;
+                }
+                for p in silent {
                     self.declare_dead(now, p, &reason, out);
                 }
                 return;
             }
+            let r = &self.running[i];
             let err = Error::Timeout {
                 rank: self.rank,
                 op: r.op.clone(),
@@ -709,7 +731,7 @@ impl Engine {
         if self.failed.is_some() {
             return None;
         }
-        let runs = self.running.iter().map(|r| r.started + self.cfg.timeout);
+        let runs = self.running.iter().map(|r| r.timer_from + self.cfg.timeout);
         let wait = self
             .stream
             .as_ref()

@@ -59,6 +59,9 @@ pub(super) struct Running {
     pub kind: Kind,
     pub seq: u64,
     pub started: Time,
+    /// Where the operation's timeout counts from: its start, or the last time it waited on
+    /// (elastic mode) for peers that were late but still heard from.
+    pub timer_from: Time,
     schedule: Schedule,
     phase: usize,
     posted: bool,
@@ -102,6 +105,7 @@ impl Running {
             kind,
             seq,
             started,
+            timer_from: started,
             schedule,
             phase: 0,
             posted: false,

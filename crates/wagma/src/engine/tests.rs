@@ -727,6 +727,53 @@ fn activation(from: Rank, seq: u64) -> Envelope {
 }
 
 #[test]
+fn an_elastic_operation_gives_up_on_a_silent_peer_at_its_first_timeout() {
+    let cfg = EngineConfig {
+        heartbeat: Some(Duration::from_secs(1)),
+        timeout: Duration::from_secs(10),
+        ..elastic()
+    };
+    let mut e = Engine::new(0, 3, cfg);
+    let mut out = Vec::new();
+    let run = Request::Run {
+        kind: Kind::Collective,
+        seq: 7,
+        schedule: crate::schedule::exchange_among(0, [0, 1, 2], 1),
+        data: Payload::Data(vec![1.0]),
+        weight: 0.0,
+        steps: 1,
+    };
+    e.on_request(Duration::ZERO, 1, run, &mut out);
+    // Rank 1 delivers and goes on beating; rank 2's heartbeats stop at 6 s (a partition that
+    // began during the operation), so at 10 s it is not yet silent for a timeout.
+    e.on_message(Duration::ZERO, contribution_msg(1, 7, &[1]), &mut out);
+    let beat = |from: Rank| {
+        Engine::new(from, 3, cfg).control(
+            liveness::CONTROL_HEARTBEAT,
+            Meta::default(),
+            Payload::Size(0),
+        )
+    };
+    for t in 1..10 {
+        e.on_message(Duration::from_secs(t), beat(1), &mut out);
+        if t <= 6 {
+            e.on_message(Duration::from_secs(t), beat(2), &mut out);
+        }
+        e.on_tick(Duration::from_secs(t), &mut out);
+    }
+    assert!(e.dead().is_empty());
+    e.on_tick(Duration::from_secs(10), &mut out);
+    assert_eq!(e.dead(), [2]);
+    assert!(out.iter().any(|a| matches!(
+        a,
+        Action::Complete {
+            id: 1,
+            result: Ok(_)
+        }
+    )));
+}
+
+#[test]
 fn an_elastic_operation_that_times_out_continues_without_the_peers_it_waits_for() {
     let cfg = EngineConfig {
         heartbeat: Some(Duration::from_secs(1)),
@@ -745,24 +792,27 @@ fn an_elastic_operation_that_times_out_continues_without_the_peers_it_waits_for(
     };
     e.on_request(Duration::ZERO, 1, run, &mut out);
     e.on_message(Duration::ZERO, contribution_msg(1, 7, &[1]), &mut out);
-    // Rank 2's heartbeats keep coming (its data does not: a partition of the data path, or a
-    // peer stuck elsewhere), so liveness alone would not give up on it before the timeout.
-    let beat = || {
-        Engine::new(2, 3, cfg).control(
+    // Rank 2's heartbeats keep coming (its data does not: a peer held up elsewhere), so
+    // liveness never gives up on it; the operation waits for it three timeouts in all, since
+    // a late peer that is alive must not be declared dead at the first timeout.
+    let beat = |from: Rank| {
+        Engine::new(from, 3, cfg).control(
             liveness::CONTROL_HEARTBEAT,
             Meta::default(),
             Payload::Size(0),
         )
     };
-    for t in 1..10 {
-        e.on_message(Duration::from_secs(t), beat(), &mut out);
+    for t in 1..30 {
+        e.on_message(Duration::from_secs(t), beat(1), &mut out);
+        e.on_message(Duration::from_secs(t), beat(2), &mut out);
         e.on_tick(Duration::from_secs(t), &mut out);
+        assert!(e.dead().is_empty(), "t = {t}");
     }
     assert!(
         !out.iter()
             .any(|a| matches!(a, Action::Complete { id: 1, .. }))
     );
-    e.on_tick(Duration::from_secs(10), &mut out);
+    e.on_tick(Duration::from_secs(30), &mut out);
     assert_eq!(e.dead(), [2]);
     match out.into_iter().find_map(|a| match a {
         Action::Complete { id: 1, result } => Some(result),
