@@ -726,14 +726,10 @@ fn activation(from: Rank, seq: u64) -> Envelope {
     }
 }
 
-#[test]
-fn an_elastic_operation_gives_up_on_a_silent_peer_at_its_first_timeout() {
-    let cfg = EngineConfig {
-        heartbeat: Some(Duration::from_secs(1)),
-        timeout: Duration::from_secs(10),
-        ..elastic()
-    };
-    let mut e = Engine::new(0, 3, cfg);
+/// Rank 0 of 3 in elastic mode (heartbeats every 1 s, timeout 10 s), running request 1: an
+/// exchange among all three of one element, started at time 0.
+fn elastic_exchange_of_three() -> (Engine, Vec<Action>) {
+    let mut e = Engine::new(0, 3, elastic_with_heartbeats());
     let mut out = Vec::new();
     let run = Request::Run {
         kind: Kind::Collective,
@@ -744,20 +740,36 @@ fn an_elastic_operation_gives_up_on_a_silent_peer_at_its_first_timeout() {
         steps: 1,
     };
     e.on_request(Duration::ZERO, 1, run, &mut out);
+    (e, out)
+}
+
+fn elastic_with_heartbeats() -> EngineConfig {
+    EngineConfig {
+        heartbeat: Some(Duration::from_secs(1)),
+        timeout: Duration::from_secs(10),
+        ..elastic()
+    }
+}
+
+/// A heartbeat of rank `from` of 3.
+fn heartbeat(from: Rank) -> Envelope {
+    Engine::new(from, 3, elastic_with_heartbeats()).control(
+        liveness::CONTROL_HEARTBEAT,
+        Meta::default(),
+        Payload::Size(0),
+    )
+}
+
+#[test]
+fn an_elastic_operation_gives_up_on_a_silent_peer_at_its_first_timeout() {
+    let (mut e, mut out) = elastic_exchange_of_three();
     // Rank 1 delivers and goes on beating; rank 2's heartbeats stop at 6 s (a partition that
     // began during the operation), so at 10 s it is not yet silent for a timeout.
     e.on_message(Duration::ZERO, contribution_msg(1, 7, &[1]), &mut out);
-    let beat = |from: Rank| {
-        Engine::new(from, 3, cfg).control(
-            liveness::CONTROL_HEARTBEAT,
-            Meta::default(),
-            Payload::Size(0),
-        )
-    };
     for t in 1..10 {
-        e.on_message(Duration::from_secs(t), beat(1), &mut out);
+        e.on_message(Duration::from_secs(t), heartbeat(1), &mut out);
         if t <= 6 {
-            e.on_message(Duration::from_secs(t), beat(2), &mut out);
+            e.on_message(Duration::from_secs(t), heartbeat(2), &mut out);
         }
         e.on_tick(Duration::from_secs(t), &mut out);
     }
@@ -775,36 +787,14 @@ fn an_elastic_operation_gives_up_on_a_silent_peer_at_its_first_timeout() {
 
 #[test]
 fn an_elastic_operation_that_times_out_continues_without_the_peers_it_waits_for() {
-    let cfg = EngineConfig {
-        heartbeat: Some(Duration::from_secs(1)),
-        timeout: Duration::from_secs(10),
-        ..elastic()
-    };
-    let mut e = Engine::new(0, 3, cfg);
-    let mut out = Vec::new();
-    let run = Request::Run {
-        kind: Kind::Collective,
-        seq: 7,
-        schedule: crate::schedule::exchange_among(0, [0, 1, 2], 1),
-        data: Payload::Data(vec![1.0]),
-        weight: 0.0,
-        steps: 1,
-    };
-    e.on_request(Duration::ZERO, 1, run, &mut out);
+    let (mut e, mut out) = elastic_exchange_of_three();
     e.on_message(Duration::ZERO, contribution_msg(1, 7, &[1]), &mut out);
     // Rank 2's heartbeats keep coming (its data does not: a peer held up elsewhere), so
     // liveness never gives up on it; the operation waits for it three timeouts in all, since
     // a late peer that is alive must not be declared dead at the first timeout.
-    let beat = |from: Rank| {
-        Engine::new(from, 3, cfg).control(
-            liveness::CONTROL_HEARTBEAT,
-            Meta::default(),
-            Payload::Size(0),
-        )
-    };
     for t in 1..30 {
-        e.on_message(Duration::from_secs(t), beat(1), &mut out);
-        e.on_message(Duration::from_secs(t), beat(2), &mut out);
+        e.on_message(Duration::from_secs(t), heartbeat(1), &mut out);
+        e.on_message(Duration::from_secs(t), heartbeat(2), &mut out);
         e.on_tick(Duration::from_secs(t), &mut out);
         assert!(e.dead().is_empty(), "t = {t}");
     }
