@@ -8,9 +8,10 @@ use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
+use wagma::algo::{LateGradients, SendOrder};
 use wagma::imbalance::Profile;
 use wagma::schedule::AllreduceAlgorithm;
-use wagma::topology::default_group_size;
+use wagma::topology::{PeerOffsets, default_group_size};
 use wagma::{Comm, Payload};
 use wagma_sim::calibrate::{Collective, Measurement, fit, simulated, time_collective};
 use wagma_sim::{LogGp, simulate};
@@ -308,6 +309,9 @@ pub fn validate(a: ValidateArgs) -> anyhow::Result<()> {
                 tau: setting("tau")?,
                 peers: setting("peers")? as usize,
                 exchange_pieces: 1,
+                send_order: SendOrder::Together,
+                sgp_offsets: PeerOffsets::Disjoint,
+                late_gradients: LateGradients::Accumulate,
                 network: None,
                 latency: None,
                 bandwidth: None,

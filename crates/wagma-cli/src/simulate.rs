@@ -7,8 +7,9 @@ use anyhow::{Context, bail};
 use clap::{Args as ClapArgs, Subcommand};
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
-use wagma::algo::{AlgoConfig, Algorithm};
+use wagma::algo::{AlgoConfig, Algorithm, LateGradients, SendOrder};
 use wagma::imbalance::{Imbalance, Profile};
+use wagma::topology::PeerOffsets;
 use wagma_sim::compute::{Compute, Trace};
 use wagma_sim::{LogGp, SimResult, SimSpec, simulate};
 
@@ -58,6 +59,21 @@ pub struct Common {
     /// authors' baselines exchange one tensor at a time: 161 for ResNet-50).
     #[arg(long, default_value_t = 1)]
     pub exchange_pieces: u32,
+    /// D-PSGD: send to both ring neighbours together, or right-then-left (the authors'
+    /// blocking sends, which also wait for the rank two to the right).
+    #[arg(long, default_value_t = SendOrder::Together)]
+    #[serde(default)]
+    pub send_order: SendOrder,
+    /// SGP: peer offsets, disjoint (each iteration the next powers of two) or sliding
+    /// (consecutive iterations share all but one, as the authors' baseline).
+    #[arg(long, default_value_t = PeerOffsets::Disjoint)]
+    #[serde(default)]
+    pub sgp_offsets: PeerOffsets,
+    /// eager-SGD: a gradient that misses its round is contributed to the next (accumulate) or
+    /// dropped (drop, as the authors' code).
+    #[arg(long, default_value_t = LateGradients::Accumulate)]
+    #[serde(default)]
+    pub late_gradients: LateGradients,
     /// Network parameters from `wagma simulate calibrate` (default: a Cray XC50 with the Aries
     /// interconnect; the README lists where each value comes from).
     #[arg(long)]
@@ -129,6 +145,9 @@ impl Common {
     pub fn algo(&self, name: &str, ranks: usize) -> anyhow::Result<AlgoConfig> {
         let mut c = crate::bench::algo_config(name, ranks, None, self.tau, self.peers, self.seed)?;
         c.exchange_pieces = self.exchange_pieces;
+        c.send_order = self.send_order;
+        c.algorithm
+            .set_variants(self.sgp_offsets, self.late_gradients);
         c.validate(ranks)?;
         Ok(c)
     }

@@ -10,12 +10,12 @@ use comfy_table::Table;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use wagma::algo::{
-    Algorithm, CombineRule, EagerMode, LrSchedule, OptimizerConfig, OptimizerKind, Order,
-    WagmaOptions,
+    Algorithm, CombineRule, EagerMode, LateGradients, LrSchedule, OptimizerConfig, OptimizerKind,
+    Order, SendOrder, WagmaOptions,
 };
 use wagma::exec::launch::TransportChoice;
 use wagma::imbalance::{Imbalance, Profile};
-use wagma::topology::GroupingKind;
+use wagma::topology::{GroupingKind, PeerOffsets};
 use wagma_train::config::default_optimizer;
 use wagma_train::nav::NavConfig;
 use wagma_train::trainer::{self, EvalRecord, Observer, ProgressLine};
@@ -70,6 +70,13 @@ pub struct Args {
     /// eager-sgd: blocking gradient allreduce every N steps, or "never".
     #[arg(long)]
     pub eager_sync: Option<String>,
+    /// sgp: peer offsets, disjoint (default) or sliding (the authors' baseline).
+    #[arg(long)]
+    pub sgp_offsets: Option<PeerOffsets>,
+    /// eager-sgd: a gradient that misses its round is accumulated (default) or dropped (the
+    /// authors' code).
+    #[arg(long)]
+    pub late_gradients: Option<LateGradients>,
     /// Average BatchNorm statistics with the parameters.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_buffers: Option<bool>,
@@ -77,6 +84,10 @@ pub struct Args {
     /// authors' baselines do (one per tensor); 1: the whole model at once.
     #[arg(long)]
     pub exchange_pieces: Option<u32>,
+    /// d-psgd: send to both ring neighbours together (default) or right-then-left (the
+    /// authors' blocking sends).
+    #[arg(long)]
+    pub send_order: Option<SendOrder>,
     /// Average wagma's optimizer state (momentum, Adam's moments) with the model too.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_optimizer_state: Option<bool>,
@@ -413,8 +424,10 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
             };
         }
         Algorithm::LocalSgd { period } => *period = a.period.unwrap_or(1),
-        Algorithm::Sgp { peers } => *peers = a.peers.unwrap_or(1),
-        Algorithm::EagerSgd { sync_period, mode } => {
+        Algorithm::Sgp { peers, .. } => *peers = a.peers.unwrap_or(1),
+        Algorithm::EagerSgd {
+            sync_period, mode, ..
+        } => {
             if let Some(s) = &a.eager_sync {
                 *sync_period = never_or(s, "eager-sync")?;
             }
@@ -422,6 +435,10 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
         }
         _ => {}
     }
+    alg.set_variants(
+        a.sgp_offsets.unwrap_or_default(),
+        a.late_gradients.unwrap_or_default(),
+    );
     Ok(alg)
 }
 
@@ -444,6 +461,9 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     }
     if let Some(n) = a.exchange_pieces {
         c.algo.exchange_pieces = n;
+    }
+    if let Some(o) = a.send_order {
+        c.algo.send_order = o;
     }
     if let Some(b) = a.average_optimizer_state {
         c.algo.scope.average_optimizer_state = b;

@@ -296,6 +296,11 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
         (vec!["--ranks", "0"], "ranks"),
         (vec!["--tau", "0"], "tau"),
         (vec!["--algo", "sgp", "--peers", "9"], "peers"),
+        (
+            vec!["--algo", "sgp", "--sgp-offsets", "cycling"],
+            "sgp-offsets",
+        ),
+        (vec!["--late-gradients", "keep"], "late-gradients"),
         (vec!["--data", "/nonexistent/mnist"], "/nonexistent/mnist"),
         (vec!["--data", &junk_s], "IDX"),
         (vec!["--resume", &corrupt_s], "unreadable"),
@@ -352,6 +357,32 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
     for d in [&dir, &junk, &corrupt] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+#[test]
+fn simulate_runs_the_authors_variants_of_sgp_and_eager_sgd() {
+    let sim = |extra: &[&str]| {
+        ok_json(
+            &wagma()
+                .args(["simulate", "run", "--ranks", "16", "--steps", "30"])
+                .args(["--model-params", "1000", "--peers", "2", "--json"])
+                .args(extra)
+                .output()
+                .unwrap(),
+        )
+    };
+    let disjoint = sim(&["--algo", "sgp"]);
+    let sliding = sim(&["--algo", "sgp", "--sgp-offsets", "sliding"]);
+    assert_eq!(disjoint["algorithm"], "sgp 2n");
+    assert_eq!(sliding["algorithm"], "sgp 2n sliding");
+    // Other in-neighbours, other waits.
+    assert_ne!(disjoint["samples_per_s"], sliding["samples_per_s"]);
+    let kept = sim(&["--algo", "eager-sgd-solo"]);
+    let dropped = sim(&["--algo", "eager-sgd-solo", "--late-gradients", "drop"]);
+    assert_eq!(dropped["algorithm"], "eager-sgd solo sync=32 drop-late");
+    // Dropping changes what a round sums, never when it runs.
+    assert_eq!(kept["samples_per_s"], dropped["samples_per_s"]);
+    assert!(kept["samples_per_s"].as_f64().unwrap() > 0.0);
 }
 
 #[test]

@@ -10,10 +10,10 @@ use common::{ok, tmp, wagma};
 use std::path::Path;
 use std::process::Command;
 
-/// `wagma train` options of the run, without the transport.
-fn train_args(out: &Path) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "train",
+/// The algorithms compared: WAGMA with blocking group averaging, and D-PSGD with the
+/// authors' blocking right-then-left sends (empty rendezvous messages) in chained pieces.
+const ALGOS: [&[&str]; 2] = [
+    &[
         "--algo",
         "wagma",
         "--blocking",
@@ -22,21 +22,37 @@ fn train_args(out: &Path) -> Vec<String> {
         "2",
         "--tau",
         "3",
-        "--steps",
-        "12",
-        "--eval-every",
-        "12",
-        "--seed",
-        "11",
-        "--dataset",
-        "builtin",
-        "--quiet",
-        "true",
-        "--out",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    ],
+    &[
+        "--algo",
+        "d-psgd",
+        "--send-order",
+        "right-then-left",
+        "--exchange-pieces",
+        "3",
+    ],
+];
+
+/// `wagma train` options of the run of `algo`, without the transport.
+fn train_args(algo: &[&str], out: &Path) -> Vec<String> {
+    let mut v: Vec<String> = ["train"]
+        .iter()
+        .chain(algo)
+        .chain(&[
+            "--steps",
+            "12",
+            "--eval-every",
+            "12",
+            "--seed",
+            "11",
+            "--dataset",
+            "builtin",
+            "--quiet",
+            "true",
+            "--out",
+        ])
+        .map(|s| s.to_string())
+        .collect();
     v.push(out.display().to_string());
     v
 }
@@ -49,9 +65,9 @@ fn model(out: &Path) -> Vec<u8> {
     std::fs::read(out.join("final-model.bin")).unwrap()
 }
 
-fn over_mem(ranks: usize) -> Vec<u8> {
+fn over_mem(algo: &[&str], ranks: usize) -> Vec<u8> {
     let out = tmp("mem");
-    let mut args = train_args(&out);
+    let mut args = train_args(algo, &out);
     args.extend(["--ranks".into(), ranks.to_string()]);
     run(wagma().args(&args));
     let m = model(&out);
@@ -61,32 +77,35 @@ fn over_mem(ranks: usize) -> Vec<u8> {
 
 #[test]
 fn lockstep_training_gives_identical_models_over_mem_and_tcp() {
-    let ranks = 4;
-    let mem = over_mem(ranks);
-    let out = tmp("tcp");
-    let mut args: Vec<String> = ["launch", "-n", "4", "--timeout", "300", "--", "wagma"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(train_args(&out));
-    args.extend(["--transport".into(), "tcp".into()]);
-    run(wagma().args(&args));
-    let tcp = model(&out);
-    let _ = std::fs::remove_dir_all(&out);
-    assert!(!mem.is_empty());
-    assert!(mem == tcp, "the models over mem and tcp differ");
+    for algo in ALGOS {
+        let mem = over_mem(algo, 4);
+        let out = tmp("tcp");
+        let mut args: Vec<String> = ["launch", "-n", "4", "--timeout", "300", "--", "wagma"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(train_args(algo, &out));
+        args.extend(["--transport".into(), "tcp".into()]);
+        run(wagma().args(&args));
+        let tcp = model(&out);
+        let _ = std::fs::remove_dir_all(&out);
+        assert!(!mem.is_empty());
+        assert!(mem == tcp, "{algo:?}: the models over mem and tcp differ");
+    }
 }
 
 #[cfg(feature = "mpi")]
 #[test]
 fn lockstep_training_gives_identical_models_over_mem_and_mpi() {
-    let ranks = 4;
-    let mem = over_mem(ranks);
-    let out = tmp("mpi");
-    let mut cmd = mpirun(4);
-    cmd.args(train_args(&out)).args(["--transport", "mpi"]);
-    run(&mut cmd);
-    let mpi = model(&out);
-    let _ = std::fs::remove_dir_all(&out);
-    assert!(mem == mpi, "the models over mem and mpi differ");
+    for algo in ALGOS {
+        let mem = over_mem(algo, 4);
+        let out = tmp("mpi");
+        let mut cmd = mpirun(4);
+        cmd.args(train_args(algo, &out))
+            .args(["--transport", "mpi"]);
+        run(&mut cmd);
+        let mpi = model(&out);
+        let _ = std::fs::remove_dir_all(&out);
+        assert!(mem == mpi, "{algo:?}: the models over mem and mpi differ");
+    }
 }

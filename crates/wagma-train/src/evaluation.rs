@@ -221,7 +221,12 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
             v[n..n + nb].copy_from_slice(&x.buffers);
             v[n + nb] = 1.0;
         }
-        let mut sum = worker.comm().allreduce(Payload::Data(v)).await?.into_vec();
+        // Folded in rank order: the bits of the in-process consensus below.
+        let mut sum = worker
+            .comm()
+            .allreduce_in_rank_order(Payload::Data(v))
+            .await?
+            .into_vec();
         let count = sum.pop().unwrap_or(0.0).max(1.0);
         for x in &mut sum {
             *x /= count;
@@ -337,9 +342,12 @@ pub(crate) fn evaluate_in_process<W: Workload>(
             })
             .collect();
         let count = present.len().max(1) as f32;
-        let mut params = vec![0f32; n];
-        let mut buffers = vec![0f32; nb];
-        for (_, x) in &present {
+        // ((x0 + x1) + x2) + ...: the distributed consensus's fold, bit for bit.
+        let (mut params, mut buffers) = match present.first() {
+            Some((_, x)) => (x.params.clone(), x.buffers.clone()),
+            None => (vec![0f32; n], vec![0f32; nb]),
+        };
+        for (_, x) in present.iter().skip(1) {
             for (a, b) in params.iter_mut().zip(&x.params) {
                 *a += b;
             }

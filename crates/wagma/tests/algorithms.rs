@@ -9,11 +9,12 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wagma::algo::{
-    AlgoConfig, Algorithm, CombineRule, LrSchedule, OptimizerConfig, Order, Scope, StepReport,
-    WagmaOptions, Worker,
+    AlgoConfig, Algorithm, CombineRule, EagerMode, LateGradients, LrSchedule, OptimizerConfig,
+    Order, Scope, StepReport, WagmaOptions, Worker,
 };
 use wagma::exec::{JobResult, threaded, virtual_time};
 use wagma::imbalance::{Imbalance, Profile};
+use wagma::topology::PeerOffsets;
 use wagma::{ConfigError, EngineConfig, Error, Payload};
 
 const D: usize = 12;
@@ -270,7 +271,21 @@ fn all_algorithms() -> Vec<Algorithm> {
         .iter()
         .map(|n| Algorithm::from_name(n).unwrap())
         .collect();
-    v.push(Algorithm::Sgp { peers: 2 });
+    v.push(Algorithm::Sgp {
+        peers: 2,
+        offsets: PeerOffsets::Disjoint,
+    });
+    v.push(Algorithm::Sgp {
+        peers: 2,
+        offsets: PeerOffsets::Sliding,
+    });
+    for mode in [EagerMode::Solo, EagerMode::Majority] {
+        v.push(Algorithm::EagerSgd {
+            mode,
+            sync_period: Some(32),
+            late: LateGradients::Drop,
+        });
+    }
     v.push(Algorithm::LocalSgd { period: 4 });
     v.push(Algorithm::Wagma(WagmaOptions {
         combine: CombineRule::Damped,
@@ -400,7 +415,10 @@ fn push_sum_conserves_mass_in_every_round() {
             jitter: 0.5,
         },
         p,
-        AlgoConfig::new(Algorithm::Sgp { peers: 2 }),
+        AlgoConfig::new(Algorithm::Sgp {
+            peers: 2,
+            offsets: PeerOffsets::Disjoint,
+        }),
         momentum_sgd(),
         50,
         Some(Imbalance {
@@ -466,7 +484,10 @@ fn bad_configurations_are_typed_errors() {
         Error::Config(ConfigError::ZeroPeriod)
     ));
     assert!(matches!(
-        try_algo(Algorithm::Sgp { peers: 4 }),
+        try_algo(Algorithm::Sgp {
+            peers: 4,
+            offsets: PeerOffsets::Disjoint,
+        }),
         Error::Config(ConfigError::TooManyPeers { .. })
     ));
     assert!(matches!(

@@ -10,11 +10,11 @@
 use std::time::Duration;
 
 use wagma::algo::{
-    AlgoConfig, Algorithm, CombineRule, EagerMode, OptimizerConfig, Order, Resume, StepReport,
-    WagmaOptions, Worker,
+    AlgoConfig, Algorithm, CombineRule, EagerMode, LateGradients, OptimizerConfig, Order, Resume,
+    StepReport, WagmaOptions, Worker,
 };
 use wagma::exec::virtual_time;
-use wagma::topology::{Grouping, GroupingKind};
+use wagma::topology::{Grouping, GroupingKind, PeerOffsets};
 use wagma::{Comm, ConfigError, EngineConfig, Error, Payload};
 
 /// Two parameters per replica, as f64 for the references.
@@ -405,7 +405,10 @@ fn push_sum_reference(weights: [f64; 3]) -> Vec<([V; 3], [f64; 3])> {
 }
 
 fn sgp_p3(weights: Option<[f64; 3]>) -> Vec<Vec<(Vec<f32>, f64)>> {
-    let cfg = AlgoConfig::new(Algorithm::Sgp { peers: 1 });
+    let cfg = AlgoConfig::new(Algorithm::Sgp {
+        peers: 1,
+        offsets: PeerOffsets::Disjoint,
+    });
     run_virtual(3, async |c: &mut Comm| {
         let rank = c.rank();
         let resume = Resume {
@@ -569,10 +572,12 @@ fn average_then_step_is_rejected_for_gradient_averaging_algorithms() {
         Algorithm::EagerSgd {
             mode: EagerMode::Solo,
             sync_period: Some(2),
+            late: LateGradients::Accumulate,
         },
         Algorithm::EagerSgd {
             mode: EagerMode::Majority,
             sync_period: None,
+            late: LateGradients::Accumulate,
         },
     ] {
         let cfg = AlgoConfig {
@@ -614,6 +619,7 @@ fn eager_sgd_averages_buffers_at_its_sync_rounds() {
     let cfg = AlgoConfig::new(Algorithm::EagerSgd {
         mode: EagerMode::Solo,
         sync_period: Some(2),
+        late: LateGradients::Accumulate,
     });
     let got = run_virtual(3, async |c: &mut Comm| {
         let rank = c.rank();

@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
-use wagma::algo::{AlgoConfig, Algorithm, OptimizerConfig, Worker};
+use wagma::algo::{AlgoConfig, Algorithm, OptimizerConfig, SendOrder, Worker};
 use wagma::exec::virtual_time;
+use wagma::topology::PeerOffsets;
 use wagma::{Comm, ConfigError, EngineConfig, Error, Payload};
 
 const D: usize = 12;
@@ -63,7 +64,13 @@ fn run(p: usize, algo: AlgoConfig, steps: u64, slow: Duration) -> Vec<(Vec<f32>,
 
 #[test]
 fn pieces_change_the_waiting_not_the_model() {
-    for algorithm in [Algorithm::DPsgd, Algorithm::Sgp { peers: 1 }] {
+    for algorithm in [
+        Algorithm::DPsgd,
+        Algorithm::Sgp {
+            peers: 1,
+            offsets: PeerOffsets::Disjoint,
+        },
+    ] {
         let whole = run(8, config(algorithm.clone(), 1), 5, Duration::from_millis(1));
         // 5 pieces of 12 elements are uneven; 16 pieces leave some empty.
         for pieces in [5, 16] {
@@ -109,10 +116,71 @@ fn a_delay_reaches_one_more_ring_hop_with_every_piece() {
     }
 }
 
+fn right_then_left(pieces: u32) -> AlgoConfig {
+    AlgoConfig {
+        send_order: SendOrder::RightThenLeft,
+        ..config(Algorithm::DPsgd, pieces)
+    }
+}
+
+#[test]
+fn sending_right_then_left_changes_the_waiting_not_the_model() {
+    for p in [2, 3, 8] {
+        let together = run(p, config(Algorithm::DPsgd, 1), 5, Duration::from_millis(1));
+        for pieces in [1, 5] {
+            let ordered = run(p, right_then_left(pieces), 5, Duration::from_millis(1));
+            for (rank, (a, b)) in together.iter().zip(&ordered).enumerate() {
+                assert_eq!(a.0, b.0, "P = {p}, rank {rank}, {pieces} pieces");
+            }
+        }
+    }
+}
+
+#[test]
+fn sending_right_then_left_also_waits_for_the_rank_two_to_the_right() {
+    // Each blocking exchange waits for the left neighbour, the right one and the right one's
+    // right: after k pieces a delay at rank 0 has reached ranks -2k..=k (ring of 13).
+    let (p, slow) = (13usize, Duration::from_millis(100));
+    for pieces in 1..=3u32 {
+        let f: Vec<Duration> = run(p, right_then_left(pieces), 1, slow)
+            .into_iter()
+            .map(|(_, f)| f[0])
+            .collect();
+        let k = pieces as usize;
+        for (rank, &t) in f.iter().enumerate() {
+            let reached = rank <= k || rank >= p - 2 * k;
+            if reached {
+                assert!(t >= slow, "{pieces} pieces: rank {rank} left at {t:?}");
+            } else {
+                assert!(t < slow / 2, "{pieces} pieces: rank {rank} waited ({t:?})");
+            }
+        }
+    }
+    let mut sgp = right_then_left(1);
+    sgp.algorithm = Algorithm::from_name("sgp").unwrap();
+    assert!(matches!(
+        sgp.validate(8),
+        Err(ConfigError::Invalid {
+            what: "send order",
+            ..
+        })
+    ));
+}
+
 #[test]
 fn pieces_are_for_neighbour_exchanges_only() {
     assert!(config(Algorithm::DPsgd, 161).validate(8).is_ok());
-    assert!(config(Algorithm::Sgp { peers: 2 }, 161).validate(8).is_ok());
+    assert!(
+        config(
+            Algorithm::Sgp {
+                peers: 2,
+                offsets: PeerOffsets::Disjoint,
+            },
+            161
+        )
+        .validate(8)
+        .is_ok()
+    );
     for a in [
         Algorithm::AllreduceSgd,
         Algorithm::from_name("wagma").unwrap(),

@@ -190,49 +190,103 @@ fn a_far_behind_rank_reads_results_that_were_not_overwritten() {
     );
 }
 
-#[test]
-fn eager_accumulation_never_drops_a_gradient() {
-    // Accumulate mode with exact reads: every round applied once by every rank, and after the
-    // final sync the rounds' sums add up to every gradient published.
-    let (p, tau, steps, len) = (6usize, 8u64, 24u64, 5usize);
+/// What one rank of [`eager_job`] saw: how many times each gradient was applied, indexed by
+/// `rank * STEPS + t` (each gradient is one-hot), and whether its own gradient was in each
+/// round it read.
+struct EagerSeen {
+    applied: Vec<f64>,
+    fresh: Vec<bool>,
+}
+
+const EAGER_P: usize = 6;
+const EAGER_STEPS: u64 = 24;
+const EAGER_SLOW: usize = 2;
+
+/// Eager-SGD's stream with exact reads over 6 ranks, rank 2 nine times slower, a sync every 8
+/// rounds; every rank publishes a gradient that is one-hot at its own (rank, step) slot.
+fn eager_job(mode: ContributionMode) -> Vec<EagerSeen> {
+    let (p, steps) = (EAGER_P, EAGER_STEPS);
+    let len = p * steps as usize;
     let cfg = stream(
         p,
         GroupingKind::Butterfly,
         Trigger::Solo,
-        ContributionMode::Accumulate,
+        mode,
         ReadMode::Exact,
-        Some(tau),
+        Some(8),
         vec![0.0; len],
     );
-    let out = run(Exec::Virtual(5), p, EngineConfig::default(), async |c| {
+    run(Exec::Virtual(5), p, EngineConfig::default(), async |c| {
         let rank = c.rank();
         c.open_stream(cfg.clone()).await?;
-        let mut total = vec![0f64; len];
+        let mut applied = vec![0f64; len];
+        let mut fresh = Vec::new();
         for t in 0..steps {
-            c.compute(ms(if rank == 2 { 9 } else { 1 })).await;
-            let r = c
-                .arrive(t, Payload::Data(model(rank, t, len)), t + 1)
-                .await?;
-            assert_eq!(r.round, t);
-            for (x, y) in total.iter_mut().zip(r.sum.as_slice()) {
+            c.compute(ms(if rank == EAGER_SLOW { 9 } else { 1 })).await;
+            let mut g = vec![0f32; len];
+            g[rank * steps as usize + t as usize] = 1.0;
+            let r = c.arrive(t, Payload::Data(g), t + 1).await?;
+            assert_eq!(r.round, t, "exact reads apply every round once");
+            for (x, y) in applied.iter_mut().zip(r.sum.as_slice()) {
                 *x += *y as f64;
             }
+            fresh.push(r.fresh);
         }
-        Ok((total, c.stats().stale_rounds))
+        Ok(EagerSeen { applied, fresh })
     })
     .into_all()
-    .unwrap();
-    let want: Vec<f64> = (0..len)
-        .map(|i| {
-            (0..p)
-                .flat_map(|r| (0..steps).map(move |t| value(r, t, i) as f64))
-                .sum()
-        })
-        .collect();
-    for (rank, (total, _)) in out.iter().enumerate() {
-        let got: Vec<f32> = total.iter().map(|&x| x as f32).collect();
-        assert!(close(&got, &want), "rank {rank}: {total:?} vs {want:?}");
-        assert_eq!(total, &out[0].0, "replicas diverged");
+    .unwrap()
+}
+
+#[test]
+fn eager_accumulation_never_drops_a_gradient() {
+    // Every round applied once by every rank, and after the final sync every gradient
+    // published has been applied exactly once, late ones included.
+    let out = eager_job(ContributionMode::Accumulate);
+    for (rank, seen) in out.iter().enumerate() {
+        assert!(
+            seen.applied.iter().all(|&x| x == 1.0),
+            "rank {rank}: {:?}",
+            seen.applied
+        );
     }
-    assert!(out[2].1 > 0, "the slow rank should have been late");
+    assert!(
+        out[EAGER_SLOW].fresh.iter().any(|&f| !f),
+        "the slow rank should have been late"
+    );
+}
+
+#[test]
+fn eager_drop_late_applies_a_gradient_at_most_once_and_drops_the_late_ones() {
+    let out = eager_job(ContributionMode::DropLate);
+    let steps = EAGER_STEPS as usize;
+    for (rank, seen) in out.iter().enumerate() {
+        assert_eq!(
+            seen.applied, out[0].applied,
+            "rank {rank}: replicas diverged"
+        );
+        assert!(seen.applied.iter().all(|&x| x == 0.0 || x == 1.0));
+        // A gradient its own round carried is applied; one that missed it is not.
+        for (t, &f) in seen.fresh.iter().enumerate() {
+            assert_eq!(
+                seen.applied[rank * steps + t] == 1.0,
+                f,
+                "rank {rank} step {t}"
+            );
+        }
+    }
+    let dropped = |r: usize| {
+        out[0].applied[r * steps..(r + 1) * steps]
+            .iter()
+            .filter(|&&x| x == 0.0)
+            .count()
+    };
+    assert!(
+        dropped(EAGER_SLOW) > 0,
+        "the slow rank's late gradients should be dropped"
+    );
+    // The fast ranks trigger their rounds themselves and are never late.
+    for r in (0..EAGER_P).filter(|&r| r != EAGER_SLOW) {
+        assert_eq!(dropped(r), 0, "rank {r}");
+    }
 }

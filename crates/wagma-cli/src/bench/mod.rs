@@ -106,7 +106,7 @@ pub fn algo_config(
                 ..WagmaOptions::default()
             }
         }
-        Algorithm::Sgp { peers: n } => *n = peers,
+        Algorithm::Sgp { peers: n, .. } => *n = peers,
         _ => {}
     }
     a.validate(ranks)?;

@@ -28,7 +28,9 @@ pub fn bound_wall(algorithm: &Algorithm, draws: &[Vec<f64>], seed: u64) -> f64 {
         _ => None,
     };
     let graph = match algorithm {
-        Algorithm::Sgp { peers } if p > 1 => ExponentialGraph::new(p, *peers).ok(),
+        Algorithm::Sgp { peers, offsets } if p > 1 => {
+            ExponentialGraph::with_offsets(p, *peers, *offsets).ok()
+        }
         _ => None,
     };
     for (t, c) in draws.iter().enumerate() {

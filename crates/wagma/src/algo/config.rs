@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
-use crate::topology::{ExponentialGraph, Grouping, GroupingKind, default_group_size};
+use crate::topology::{ExponentialGraph, Grouping, GroupingKind, PeerOffsets, default_group_size};
 
 /// How a WAGMA rank folds a group's sum into its model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -36,6 +36,79 @@ pub enum EagerMode {
     Solo,
     /// A random initiator, drawn from a shared seed, triggers each round.
     Majority,
+}
+
+/// What eager-SGD does with a gradient that misses the round it was computed for (the round
+/// ran before its rank arrived).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum LateGradients {
+    /// Contribute it to the next round (the eager-SGD paper).
+    #[default]
+    Accumulate,
+    /// Drop it: the authors' released code zeroes its send buffer after every round it reads.
+    Drop,
+}
+
+impl std::str::FromStr for LateGradients {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "accumulate" => Ok(LateGradients::Accumulate),
+            "drop" => Ok(LateGradients::Drop),
+            _ => Err(ConfigError::Invalid {
+                what: "late gradients",
+                detail: format!("{s:?} (expected accumulate or drop)"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for LateGradients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LateGradients::Accumulate => "accumulate",
+            LateGradients::Drop => "drop",
+        })
+    }
+}
+
+/// How D-PSGD sends to its two ring neighbours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum SendOrder {
+    /// Both at once, without waiting for either (the algorithm).
+    #[default]
+    Together,
+    /// Blocking rendezvous sends, right neighbour first, as the WAGMA-SGD authors' baseline:
+    /// a rank sends only once its right neighbour has entered the exchange, so each exchange
+    /// also waits for the rank two to the right.
+    RightThenLeft,
+}
+
+impl std::str::FromStr for SendOrder {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "together" => Ok(SendOrder::Together),
+            "right-then-left" => Ok(SendOrder::RightThenLeft),
+            _ => Err(ConfigError::Invalid {
+                what: "send order",
+                detail: format!("{s:?} (expected together or right-then-left)"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for SendOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SendOrder::Together => "together",
+            SendOrder::RightThenLeft => "right-then-left",
+        })
+    }
 }
 
 /// WAGMA-SGD's options.
@@ -87,14 +160,20 @@ pub enum Algorithm {
     Sgp {
         /// Out-neighbours per iteration.
         peers: usize,
+        /// Which powers of two the peers sit at.
+        #[serde(default)]
+        offsets: PeerOffsets,
     },
     /// Partial gradient allreduce triggered by the first arrival (solo) or a random initiator
-    /// (majority); late gradients are accumulated into a later round.
+    /// (majority); late gradients are accumulated into a later round, or dropped.
     EagerSgd {
         /// Solo or majority.
         mode: EagerMode,
         /// A blocking gradient allreduce every this many steps (bounds the lag; `None`: never).
         sync_period: Option<u64>,
+        /// What happens to a gradient that misses its round.
+        #[serde(default)]
+        late: LateGradients,
     },
 }
 
@@ -119,14 +198,19 @@ impl Algorithm {
             "local-sgd" => Algorithm::LocalSgd { period: 1 },
             "d-psgd" | "dpsgd" => Algorithm::DPsgd,
             "ad-psgd" | "adpsgd" => Algorithm::AdPsgd,
-            "sgp" => Algorithm::Sgp { peers: 1 },
+            "sgp" => Algorithm::Sgp {
+                peers: 1,
+                offsets: PeerOffsets::Disjoint,
+            },
             "eager-sgd" | "eager-sgd-solo" => Algorithm::EagerSgd {
                 mode: EagerMode::Solo,
                 sync_period: Some(32),
+                late: LateGradients::Accumulate,
             },
             "eager-sgd-majority" => Algorithm::EagerSgd {
                 mode: EagerMode::Majority,
                 sync_period: Some(32),
+                late: LateGradients::Accumulate,
             },
             _ => {
                 return Err(ConfigError::Invalid {
@@ -164,18 +248,39 @@ impl Algorithm {
             Algorithm::LocalSgd { period } => format!("local-sgd H={period}"),
             Algorithm::DPsgd => "d-psgd".into(),
             Algorithm::AdPsgd => "ad-psgd".into(),
-            Algorithm::Sgp { peers } => format!("sgp {peers}n"),
-            Algorithm::EagerSgd { mode, sync_period } => {
+            Algorithm::Sgp { peers, offsets } => match offsets {
+                PeerOffsets::Disjoint => format!("sgp {peers}n"),
+                PeerOffsets::Sliding => format!("sgp {peers}n sliding"),
+            },
+            Algorithm::EagerSgd {
+                mode,
+                sync_period,
+                late,
+            } => {
                 let mode = match mode {
                     EagerMode::Solo => "solo",
                     EagerMode::Majority => "majority",
                 };
                 // The periodic blocking round changes what the method waits for: say it.
-                match sync_period {
+                let mut s = match sync_period {
                     Some(k) => format!("eager-sgd {mode} sync={k}"),
                     None => format!("eager-sgd {mode} sync=never"),
+                };
+                if *late == LateGradients::Drop {
+                    s += " drop-late";
                 }
+                s
             }
+        }
+    }
+
+    /// Sets SGP's peer offsets and eager-SGD's treatment of late gradients; the other
+    /// algorithms have neither and are left as they are.
+    pub fn set_variants(&mut self, sgp_offsets: PeerOffsets, late_gradients: LateGradients) {
+        match self {
+            Algorithm::Sgp { offsets, .. } => *offsets = sgp_offsets,
+            Algorithm::EagerSgd { late, .. } => *late = late_gradients,
+            _ => {}
         }
     }
 
@@ -201,9 +306,9 @@ impl Algorithm {
                 )?;
             }
             Algorithm::LocalSgd { period: 0 } => return Err(ConfigError::ZeroPeriod),
-            Algorithm::Sgp { peers } => {
+            Algorithm::Sgp { peers, offsets } => {
                 if ranks > 1 {
-                    ExponentialGraph::new(ranks, *peers)?;
+                    ExponentialGraph::with_offsets(ranks, *peers, *offsets)?;
                 } else if *peers != 0 {
                     return Err(ConfigError::TooManyPeers {
                         peers: *peers,
@@ -264,6 +369,9 @@ pub struct AlgoConfig {
     /// need. The model that results is the same; only the waiting differs.
     #[serde(default = "one_piece")]
     pub exchange_pieces: u32,
+    /// How D-PSGD sends to its ring neighbours (every piece, with `exchange_pieces`).
+    #[serde(default)]
+    pub send_order: SendOrder,
 }
 
 fn one_piece() -> u32 {
@@ -312,6 +420,16 @@ impl AlgoConfig {
                 ),
             });
         }
+        if self.send_order != SendOrder::Together && self.algorithm != Algorithm::DPsgd {
+            return Err(ConfigError::Invalid {
+                what: "send order",
+                detail: format!(
+                    "{} applies to d-psgd's ring exchange, not {}",
+                    self.send_order,
+                    self.algorithm.label()
+                ),
+            });
+        }
         Ok(())
     }
 
@@ -323,6 +441,7 @@ impl AlgoConfig {
             order: Order::default(),
             seed: 0,
             exchange_pieces: one_piece(),
+            send_order: SendOrder::Together,
         }
     }
 }
@@ -338,10 +457,29 @@ mod tests {
             Err(ConfigError::ZeroPeriod)
         );
         assert!(matches!(
-            Algorithm::Sgp { peers: 4 }.validate(4),
+            Algorithm::Sgp {
+                peers: 4,
+                offsets: PeerOffsets::Disjoint
+            }
+            .validate(4),
             Err(ConfigError::TooManyPeers { .. })
         ));
-        assert!(matches!(Algorithm::Sgp { peers: 3 }.validate(8), Ok(())));
+        for late in ["accumulate", "drop"] {
+            assert_eq!(late.parse::<LateGradients>().unwrap().to_string(), late);
+        }
+        assert!("keep".parse::<LateGradients>().is_err());
+        let mut eager = Algorithm::from_name("eager-sgd-majority").unwrap();
+        eager.set_variants(PeerOffsets::Sliding, LateGradients::Drop);
+        assert_eq!(eager.label(), "eager-sgd majority sync=32 drop-late");
+        let mut sgp = Algorithm::from_name("sgp").unwrap();
+        sgp.set_variants(PeerOffsets::Sliding, LateGradients::Drop);
+        assert_eq!(sgp.label(), "sgp 1n sliding");
+        for offsets in [PeerOffsets::Disjoint, PeerOffsets::Sliding] {
+            assert!(matches!(
+                Algorithm::Sgp { peers: 3, offsets }.validate(8),
+                Ok(())
+            ));
+        }
         let w = |tau, s| {
             Algorithm::Wagma(WagmaOptions {
                 tau,

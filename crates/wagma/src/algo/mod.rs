@@ -19,6 +19,9 @@ pub mod optim;
 mod worker;
 
 pub use bound::{bound_wall, ideal_wall};
-pub use config::{AlgoConfig, Algorithm, CombineRule, EagerMode, Order, Scope, WagmaOptions};
+pub use config::{
+    AlgoConfig, Algorithm, CombineRule, EagerMode, LateGradients, Order, Scope, SendOrder,
+    WagmaOptions,
+};
 pub use optim::{Adam, LocalOptimizer, LrSchedule, OptimizerConfig, OptimizerKind, Sgd};
 pub use worker::{Resume, StepReport, Worker};

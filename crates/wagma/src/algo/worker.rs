@@ -4,7 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{AlgoConfig, Algorithm, CombineRule, EagerMode, Order, Scope};
+use super::config::{
+    AlgoConfig, Algorithm, CombineRule, EagerMode, LateGradients, Order, Scope, SendOrder,
+};
 use super::optim::{LocalOptimizer, OptimizerConfig};
 use crate::Rank;
 use crate::engine::{ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger};
@@ -322,8 +324,8 @@ impl<'c> Worker<'c> {
         let rank = comm.rank();
         let role = match &cfg.algorithm {
             Algorithm::AdPsgd => Role::Pair(Pairing::new(p)?),
-            Algorithm::Sgp { peers } if p > 1 => Role::PushSum {
-                graph: ExponentialGraph::new(p, *peers)?,
+            Algorithm::Sgp { peers, offsets } if p > 1 => Role::PushSum {
+                graph: ExponentialGraph::with_offsets(p, *peers, *offsets)?,
                 weight: resume.weight.unwrap_or(1.0),
             },
             _ => Role::Plain,
@@ -356,7 +358,11 @@ impl<'c> Worker<'c> {
                     })
                     .await?;
             }
-            Algorithm::EagerSgd { mode, sync_period } => {
+            Algorithm::EagerSgd {
+                mode,
+                sync_period,
+                late,
+            } => {
                 let len = w.state.params.len();
                 let zeros = Payload::zeros_like(&w.state.params, len);
                 let seed = w.cfg.seed;
@@ -368,7 +374,10 @@ impl<'c> Worker<'c> {
                             EagerMode::Solo => Trigger::Solo,
                             EagerMode::Majority => Trigger::Majority { seed },
                         },
-                        mode: ContributionMode::Accumulate,
+                        mode: match late {
+                            LateGradients::Accumulate => ContributionMode::Accumulate,
+                            LateGradients::Drop => ContributionMode::DropLate,
+                        },
                         read: ReadMode::Exact,
                         sync_period,
                         initial: zeros,
@@ -628,9 +637,17 @@ impl<'c> Worker<'c> {
                 r.recycle();
             }
             Algorithm::DPsgd => {
-                let nb = ring_neighbors(self.comm.rank(), p);
+                let rank = self.comm.rank();
+                let nb = ring_neighbors(rank, p);
                 let own = self.state.pack(scope);
-                let e = Self::neighbour_exchange(self.comm, pieces, t, &nb, &nb, own, 0.0).await?;
+                let pattern = match self.cfg.send_order {
+                    SendOrder::RightThenLeft if p > 1 => Neighbours::RightThenLeft {
+                        left: (rank + p - 1) % p,
+                        right: (rank + 1) % p,
+                    },
+                    _ => Neighbours::Sets(&nb, &nb),
+                };
+                let e = Self::neighbour_exchange(self.comm, pieces, t, pattern, own, 0.0).await?;
                 self.state
                     .mix(scope, &e.data, 1.0 / (nb.len() + 1) as f32, false);
                 e.data.recycle();
@@ -662,8 +679,9 @@ impl<'c> Worker<'c> {
                     x.scale(share as f32);
                     let out = graph.out_peers(rank, t);
                     let inn = graph.in_peers(rank, t);
-                    let e = Self::neighbour_exchange(self.comm, pieces, t, &out, &inn, x, share)
-                        .await?;
+                    let pattern = Neighbours::Sets(&out, &inn);
+                    let e =
+                        Self::neighbour_exchange(self.comm, pieces, t, pattern, x, share).await?;
                     *weight = e.weight;
                     self.state
                         .mix(scope, &e.data, (1.0 / e.weight) as f32, false);
@@ -683,16 +701,13 @@ impl<'c> Worker<'c> {
         comm: &mut Comm,
         pieces: u32,
         t: u64,
-        send_to: &[Rank],
-        recv_from: &[Rank],
+        pattern: Neighbours<'_>,
         mut data: Payload,
         weight: f64,
     ) -> Result<Exchanged, Error> {
         let pieces = u64::from(pieces.max(1));
         if pieces == 1 {
-            return comm
-                .exchange(t, send_to, recv_from, data, weight, t + 1)
-                .await;
+            return pattern.exchange(comm, t, data, weight, t + 1).await;
         }
         let len = data.len();
         let mut sum = Payload::zeros_like(&data, len);
@@ -706,9 +721,7 @@ impl<'c> Worker<'c> {
             // Sequence numbers stay unique and increasing across iterations and pieces.
             let seq = t * pieces + k;
             let part = data.view(range.clone());
-            let e = comm
-                .exchange(seq, send_to, recv_from, part, weight, t + 1)
-                .await?;
+            let e = pattern.exchange(comm, seq, part, weight, t + 1).await?;
             sum.copy_at(range, &e.data);
             total.weight = e.weight;
             total.contributions = e.contributions;
@@ -852,5 +865,36 @@ impl<'c> Worker<'c> {
             .allreduce_mean(Payload::Data(vec![d as f32]))
             .await?;
         Ok(mean.as_slice().first().map_or(0.0, |&x| f64::from(x)))
+    }
+}
+
+/// Whom a neighbour exchange sends to and sums from.
+#[derive(Clone, Copy)]
+enum Neighbours<'a> {
+    /// Send to the first set, all at once, and sum what the second sends.
+    Sets(&'a [Rank], &'a [Rank]),
+    /// D-PSGD's ring as the authors' baseline: blocking sends, right first.
+    RightThenLeft { left: Rank, right: Rank },
+}
+
+impl Neighbours<'_> {
+    async fn exchange(
+        self,
+        comm: &mut Comm,
+        seq: u64,
+        data: Payload,
+        weight: f64,
+        steps: u64,
+    ) -> Result<Exchanged, Error> {
+        match self {
+            Neighbours::Sets(send_to, recv_from) => {
+                comm.exchange(seq, send_to, recv_from, data, weight, steps)
+                    .await
+            }
+            Neighbours::RightThenLeft { left, right } => {
+                comm.exchange_right_then_left(seq, left, right, data, steps)
+                    .await
+            }
+        }
     }
 }

@@ -53,6 +53,10 @@ pub enum ContributionMode {
     /// The sum of the gradients published since the last round that consumed them (eager-SGD):
     /// a late gradient is contributed to a later round, never dropped.
     Accumulate,
+    /// The gradient published for the round being read, if a round consumed it before the read;
+    /// otherwise it is dropped when the compute side reads its result (the eager-SGD authors'
+    /// code, which zeroes its send buffer after every round it waits for).
+    DropLate,
 }
 
 /// Which result a compute side gets when it arrives.
@@ -224,6 +228,8 @@ pub(super) struct Stream {
     sync_period: Option<u64>,
     published: Payload,
     published_steps: u64,
+    /// DropLate: `published` holds a gradient that no round has consumed yet.
+    unconsumed: bool,
     next_round: u64,
     activated: BTreeSet<u64>,
     executing: Option<u64>,
@@ -241,6 +247,10 @@ impl Stream {
         match self.mode {
             ContributionMode::Model => std::mem::replace(&mut self.published, data).recycle(),
             ContributionMode::Accumulate => self.published.add(&data),
+            ContributionMode::DropLate => {
+                std::mem::replace(&mut self.published, data).recycle();
+                self.unconsumed = true;
+            }
         }
         self.published_steps = steps;
     }
@@ -339,7 +349,9 @@ impl Engine {
         let initial_len = cfg.initial.len();
         let published = match cfg.mode {
             ContributionMode::Model => cfg.initial,
-            ContributionMode::Accumulate => Payload::zeros_like(&cfg.initial, initial_len),
+            ContributionMode::Accumulate | ContributionMode::DropLate => {
+                Payload::zeros_like(&cfg.initial, initial_len)
+            }
         };
         self.stream = Some(Stream {
             grouping,
@@ -349,6 +361,7 @@ impl Engine {
             sync_period: cfg.sync_period,
             published,
             published_steps: cfg.initial_steps,
+            unconsumed: false,
             next_round: cfg.initial_steps,
             activated: BTreeSet::new(),
             executing: None,
@@ -605,7 +618,8 @@ impl Engine {
         let len = s.published.len();
         let data = match s.mode {
             ContributionMode::Model => s.published.view(0..len),
-            ContributionMode::Accumulate => {
+            ContributionMode::Accumulate | ContributionMode::DropLate => {
+                s.unconsumed = false;
                 let zeros = Payload::zeros_like(&s.published, len);
                 std::mem::replace(&mut s.published, zeros)
             }
@@ -747,6 +761,11 @@ impl Engine {
         let Some(w) = s.waiter.take() else {
             return;
         };
+        if s.unconsumed {
+            // DropLate: the round this gradient was for ran without it.
+            s.published.fill_zero();
+            s.unconsumed = false;
+        }
         let own = outcome
             .members
             .get(rank)

@@ -10,7 +10,7 @@ use crate::Rank;
 use crate::engine::{EngineConfig, EngineStats, Request, Response, RoundResult, StreamConfig};
 use crate::error::{Error, Op};
 use crate::payload::Payload;
-use crate::schedule::{self, AlgorithmChoice, Schedule};
+use crate::schedule::{self, AlgorithmChoice, AllreduceAlgorithm, Schedule};
 use crate::trace::{COMPUTE, TraceEvent, Tracer};
 use crate::transport::{Contribution, Kind};
 use crate::util::Histogram;
@@ -204,6 +204,24 @@ impl Comm {
         self.allreduce_all(data).await.map(|e| e.data)
     }
 
+    /// Blocking sum over every rank folded left in rank order, `((x0 + x1) + x2) + ...`: the
+    /// bits of a sequential sum, whatever the transport and the number of ranks (a sum of
+    /// replicas reproduces the one computed in one process). Rank 0 receives every buffer and
+    /// sends the sum back to each, so it carries `2 (P - 1)` buffers: for results off the
+    /// training path.
+    pub async fn allreduce_in_rank_order(&mut self, data: Payload) -> Result<Payload, Error> {
+        let members: Vec<Rank> = (0..self.size).collect();
+        let seq = self.collective_seq;
+        self.collective_seq += 1;
+        let choice = AlgorithmChoice {
+            algorithm: AllreduceAlgorithm::ReduceBroadcast,
+            ..self.cfg.algorithm
+        };
+        self.allreduce_with(&members, seq, data, 0, &choice)
+            .await
+            .map(|e| e.data)
+    }
+
     /// The next collective over every rank, with its members' contributions.
     async fn allreduce_all(&mut self, data: Payload) -> Result<Exchanged, Error> {
         let members: Vec<Rank> = (0..self.size).collect();
@@ -334,6 +352,22 @@ impl Comm {
     ) -> Result<Exchanged, Error> {
         let schedule = schedule::exchange(send_to, recv_from, data.len());
         self.run(Kind::Exchange, seq, schedule, data, weight, steps)
+            .await
+    }
+
+    /// D-PSGD's exchange with the ring neighbours `left` and `right` as blocking rendezvous
+    /// sends, right first ([`schedule::exchange_right_then_left`]); the same sum as
+    /// [`Comm::exchange`] with both neighbours, later.
+    pub async fn exchange_right_then_left(
+        &mut self,
+        seq: u64,
+        left: Rank,
+        right: Rank,
+        data: Payload,
+        steps: u64,
+    ) -> Result<Exchanged, Error> {
+        let schedule = schedule::exchange_right_then_left(left, right, data.len());
+        self.run(Kind::Exchange, seq, schedule, data, 0.0, steps)
             .await
     }
 

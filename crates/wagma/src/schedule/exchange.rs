@@ -28,6 +28,35 @@ pub fn exchange(send_to: &[Rank], recv_from: &[Rank], len: usize) -> Schedule {
     Schedule { len, phases }
 }
 
+/// D-PSGD's neighbour exchange as the WAGMA-SGD authors' baseline runs it: blocking
+/// rendezvous `Send(right)` then `Send(left)` after both receives are posted. A rank may send
+/// only once its right neighbour has entered the exchange, so the right neighbour's data
+/// depends on the rank two to the right. Phase 0 carries the rendezvous: an empty ready
+/// message to `left` (whose first send is to this rank) and one awaited from `right`; phase 1
+/// sends to `right`, then `left`, and sums what both send. The sum is [`exchange`]'s.
+pub fn exchange_right_then_left(left: Rank, right: Rank, len: usize) -> Schedule {
+    let t = |peer: Rank, range: std::ops::Range<usize>, step: u16| Transfer { peer, range, step };
+    let mut both = vec![right, left];
+    both.dedup();
+    let mut from = both.clone();
+    from.sort_unstable();
+    Schedule {
+        len,
+        phases: vec![
+            Phase {
+                sends: vec![t(left, 0..0, 0)],
+                recvs: vec![t(right, 0..0, 0)],
+                combine: Combine::Copy,
+            },
+            Phase {
+                sends: both.iter().map(|&p| t(p, 0..len, 1)).collect(),
+                recvs: from.iter().map(|&p| t(p, 0..len, 1)).collect(),
+                combine: Combine::Sum,
+            },
+        ],
+    }
+}
+
 /// A sum among `members` as one full exchange with every other member: unlike the staged
 /// allreduce algorithms, it completes whichever members turn out to be dead (elastic mode).
 pub fn exchange_among(rank: Rank, members: impl IntoIterator<Item = Rank>, len: usize) -> Schedule {

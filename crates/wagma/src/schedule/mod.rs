@@ -25,7 +25,9 @@ use crate::Rank;
 
 pub(crate) use allreduce::chunk;
 pub use allreduce::{allreduce, recursive_doubling, reduce_broadcast, reduce_scatter_allgather};
-pub use exchange::{activation_cost, exchange, exchange_among, pair_request};
+pub use exchange::{
+    activation_cost, exchange, exchange_among, exchange_right_then_left, pair_request,
+};
 
 /// A transfer of `range` of the working buffer to or from `peer`, matched by `step`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,8 @@
 //! Peer graphs of the decentralized baselines: the ring of D-PSGD, the time-varying directed
 //! exponential graph of SGP and the active/passive pairing of AD-PSGD.
 
+use serde::{Deserialize, Serialize};
+
 use crate::Rank;
 use crate::error::ConfigError;
 
@@ -20,20 +22,66 @@ pub fn ring_neighbors(rank: Rank, ranks: usize) -> Vec<Rank> {
     n
 }
 
+/// Which powers of two SGP's n peers sit at in iteration t, with `L = ceil(log2 P)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PeerOffsets {
+    /// `2^((t*n + k) mod L)`, `k < n`: each iteration takes the next n powers, so a rank's
+    /// pushes cover all L distances every `L/n` iterations (the SGP paper's schedule).
+    #[default]
+    Disjoint,
+    /// `2^((t + k) mod L)`, `k < n`: consecutive iterations share n - 1 offsets, as the
+    /// WAGMA-SGD authors' SGP baseline does (with n = 2).
+    Sliding,
+}
+
+impl std::str::FromStr for PeerOffsets {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "disjoint" => Ok(PeerOffsets::Disjoint),
+            "sliding" => Ok(PeerOffsets::Sliding),
+            _ => Err(ConfigError::Invalid {
+                what: "peer offsets",
+                detail: format!("{s:?} (expected disjoint or sliding)"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for PeerOffsets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerOffsets::Disjoint => "disjoint",
+            PeerOffsets::Sliding => "sliding",
+        })
+    }
+}
+
 /// The time-varying directed exponential graph of SGP: in iteration t every rank pushes to the
-/// ranks at offsets `2^((t*n + k) mod L)`, `k < n`, where `L = ceil(log2 P)` is the number of
-/// powers of two below P. All ranks use the same offsets in an iteration, so every rank also
-/// receives from exactly n ranks.
+/// ranks at n power-of-two offsets below P chosen by a [`PeerOffsets`] rule. All ranks use the
+/// same offsets in an iteration, so every rank also receives from exactly n ranks.
 #[derive(Debug, Clone)]
 pub struct ExponentialGraph {
     ranks: usize,
     peers: usize,
     levels: u32,
+    rule: PeerOffsets,
 }
 
 impl ExponentialGraph {
-    /// `peers` out-neighbours per iteration among `ranks` ranks.
+    /// `peers` out-neighbours per iteration among `ranks` ranks, at disjoint offsets.
     pub fn new(ranks: usize, peers: usize) -> Result<Self, ConfigError> {
+        Self::with_offsets(ranks, peers, PeerOffsets::Disjoint)
+    }
+
+    /// `peers` out-neighbours per iteration among `ranks` ranks, at the offsets of `rule`.
+    pub fn with_offsets(
+        ranks: usize,
+        peers: usize,
+        rule: PeerOffsets,
+    ) -> Result<Self, ConfigError> {
         if ranks == 0 {
             return Err(ConfigError::ZeroRanks);
         }
@@ -49,6 +97,7 @@ impl ExponentialGraph {
             ranks,
             peers,
             levels,
+            rule,
         })
     }
 
@@ -59,8 +108,11 @@ impl ExponentialGraph {
 
     fn offsets(&self, iteration: u64) -> impl Iterator<Item = usize> + '_ {
         let levels = u64::from(self.levels);
-        (0..self.peers as u64)
-            .map(move |k| 1usize << ((iteration * self.peers as u64 + k) % levels))
+        let first = match self.rule {
+            PeerOffsets::Disjoint => iteration.wrapping_mul(self.peers as u64),
+            PeerOffsets::Sliding => iteration,
+        };
+        (0..self.peers as u64).map(move |k| 1usize << (first.wrapping_add(k) % levels))
     }
 
     /// Ranks `rank` pushes to in `iteration`, sorted.
@@ -160,25 +212,49 @@ mod tests {
                 if n >= p {
                     continue;
                 }
-                let g = ExponentialGraph::new(p, n).unwrap();
-                for t in 0..10 {
-                    let mut indeg = vec![0; p];
-                    for r in 0..p {
-                        let out = g.out_peers(r, t);
-                        assert_eq!(out.len(), n, "p={p} n={n}");
-                        assert!(!out.contains(&r));
-                        for o in out {
-                            indeg[o] += 1;
-                            assert!(g.in_peers(o, t).contains(&r));
+                for rule in [PeerOffsets::Disjoint, PeerOffsets::Sliding] {
+                    let g = ExponentialGraph::with_offsets(p, n, rule).unwrap();
+                    for t in 0..10 {
+                        let mut indeg = vec![0; p];
+                        for r in 0..p {
+                            let out = g.out_peers(r, t);
+                            assert_eq!(out.len(), n, "p={p} n={n}");
+                            assert!(!out.contains(&r));
+                            for o in out {
+                                indeg[o] += 1;
+                                assert!(g.in_peers(o, t).contains(&r));
+                            }
                         }
+                        assert!(indeg.iter().all(|&d| d == n));
                     }
-                    assert!(indeg.iter().all(|&d| d == n));
                 }
             }
         }
         assert!(ExponentialGraph::new(8, 8).is_err());
         assert!(ExponentialGraph::new(8, 4).is_err());
         assert!(ExponentialGraph::new(8, 0).is_err());
+    }
+
+    #[test]
+    fn offsets_follow_their_rule() {
+        let peers_at = |rule, t| {
+            let g = ExponentialGraph::with_offsets(64, 2, rule).unwrap();
+            g.out_peers(0, t)
+        };
+        // L = 6: disjoint takes two new powers per iteration, sliding moves one power along.
+        let disjoint: Vec<_> = (0..4).map(|t| peers_at(PeerOffsets::Disjoint, t)).collect();
+        assert_eq!(disjoint, [[1, 2], [4, 8], [16, 32], [1, 2]]);
+        let sliding: Vec<_> = (0..7).map(|t| peers_at(PeerOffsets::Sliding, t)).collect();
+        assert_eq!(
+            sliding,
+            [[1, 2], [2, 4], [4, 8], [8, 16], [16, 32], [1, 32], [1, 2]]
+        );
+        let g = ExponentialGraph::with_offsets(64, 2, PeerOffsets::Sliding).unwrap();
+        assert_eq!(g.in_peers(0, 5), [32, 63]);
+        for rule in ["disjoint", "sliding"] {
+            assert_eq!(rule.parse::<PeerOffsets>().unwrap().to_string(), rule);
+        }
+        assert!("cycling".parse::<PeerOffsets>().is_err());
     }
 
     #[test]

@@ -5,6 +5,6 @@ mod graphs;
 mod grouping;
 mod tree;
 
-pub use graphs::{ExponentialGraph, PairRole, Pairing, ring_neighbors};
+pub use graphs::{ExponentialGraph, PairRole, Pairing, PeerOffsets, ring_neighbors};
 pub use grouping::{Grouping, GroupingKind, default_group_size};
 pub use tree::{TreeEdge, activation_edges, tree_children, tree_parent};
