@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use wagma::algo::{AlgoConfig, Algorithm, LrSchedule, OptimizerConfig};
+use wagma::algo::{AlgoConfig, Algorithm, LrSchedule, OptimizerConfig, SendOrder};
 use wagma::imbalance::Imbalance;
 
 use crate::error::TrainError;
@@ -240,6 +240,13 @@ impl TrainConfig {
         if !self.execution.is_multi_process() {
             self.algo.validate(self.ranks)?;
         }
+        if self.elastic && self.algo.send_order != SendOrder::Together {
+            // Its rendezvous makes a two-phase exchange, which elastic continuation cannot
+            // finish without a silent neighbour.
+            return Err(TrainError::Config(
+                "elastic continuation needs d-psgd's sends together, not right-then-left".into(),
+            ));
+        }
         if self.rejoin {
             if !self.elastic || self.execution != Execution::Tcp {
                 return Err(TrainError::Config(
@@ -329,6 +336,25 @@ pub fn default_optimizer(w: WorkloadKind, steps: u64, global_batch: usize) -> Op
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn elastic_d_psgd_sends_to_both_neighbours_together() {
+        let algo = |send_order| AlgoConfig {
+            send_order,
+            ..AlgoConfig::new(Algorithm::DPsgd)
+        };
+        let run = |elastic, send_order| TrainConfig {
+            elastic,
+            algo: algo(send_order),
+            ..TrainConfig::default()
+        };
+        assert!(run(true, SendOrder::Together).validate().is_ok());
+        assert!(run(false, SendOrder::RightThenLeft).validate().is_ok());
+        assert!(matches!(
+            run(true, SendOrder::RightThenLeft).validate(),
+            Err(TrainError::Config(m)) if m.contains("right-then-left")
+        ));
+    }
 
     #[test]
     fn only_an_elastic_wagma_run_over_tcp_can_be_rejoined() {

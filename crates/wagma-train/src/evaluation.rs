@@ -215,7 +215,9 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
         let mine = by_iter.get(t);
         let wall_s = latest_s(clocks.iter().filter_map(|c| c.get(j).copied()));
         // The consensus: the sum of the snapshots and how many there are.
-        let mut v = vec![0f32; n + nb + 1];
+        // A rank without a snapshot adds -0.0, the exact identity (+0.0 would turn a -0.0
+        // into +0.0).
+        let mut v = vec![-0f32; n + nb + 1];
         if let Some(x) = mine {
             v[..n].copy_from_slice(&x.params);
             v[n..n + nb].copy_from_slice(&x.buffers);

@@ -255,6 +255,14 @@ impl Stream {
         self.published_steps = steps;
     }
 
+    /// DropLate: the round the published gradient was for has run without it; drop it.
+    fn drop_unconsumed(&mut self) {
+        if self.unconsumed {
+            self.published.fill_zero();
+            self.unconsumed = false;
+        }
+    }
+
     pub fn waiting_since(&self) -> Option<Time> {
         // Only a compute side waiting for someone else's activation can wait forever without
         // a running schedule to time out.
@@ -717,6 +725,10 @@ impl Engine {
                 members,
             },
         );
+        if s.waiter.as_ref().is_some_and(|w| w.round <= round) {
+            // Before the next round can start and take it.
+            s.drop_unconsumed();
+        }
         self.try_start(now);
         self.try_deliver(out);
     }
@@ -761,11 +773,7 @@ impl Engine {
         let Some(w) = s.waiter.take() else {
             return;
         };
-        if s.unconsumed {
-            // DropLate: the round this gradient was for ran without it.
-            s.published.fill_zero();
-            s.unconsumed = false;
-        }
+        s.drop_unconsumed();
         let own = outcome
             .members
             .get(rank)

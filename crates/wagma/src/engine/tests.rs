@@ -812,3 +812,54 @@ fn an_elastic_operation_that_times_out_continues_without_the_peers_it_waits_for(
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_gradient_that_arrives_while_its_round_runs_is_dropped_not_taken_by_the_next_round() {
+    // Eager-SGD dropping late gradients, 2 ranks. Rank 1 publishes g1 while its round 0 runs
+    // without it, and round 1's activation reaches it before round 0 completes there: g1 must
+    // be dropped, not contributed to round 1.
+    let mut net = Net::new(2);
+    for r in 0..2 {
+        let cfg = StreamConfig {
+            group_size: 2,
+            grouping: GroupingKind::Butterfly,
+            trigger: Trigger::Solo,
+            mode: ContributionMode::DropLate,
+            read: ReadMode::Exact,
+            sync_period: None,
+            initial: Payload::Data(vec![0.0; 2]),
+            initial_steps: 0,
+        };
+        net.request(r, 1000, Request::OpenStream(Box::new(cfg)));
+    }
+    net.done.clear();
+    let deliver = |net: &mut Net, to: Rank, kind: Kind| {
+        let i = net
+            .wire
+            .iter()
+            .position(|(t, e)| *t == to && e.tag.kind == kind)
+            .unwrap_or_else(|| panic!("no {kind:?} message for rank {to}"));
+        let (to, env) = net.wire.remove(i).expect("found above");
+        let mut out = Vec::new();
+        net.engines[to].on_message(Duration::ZERO, env, &mut out);
+        net.absorb(to, out);
+    };
+    arrive(&mut net, 0, 0, 1.0);
+    deliver(&mut net, 1, Kind::Activation); // rank 1 runs round 0 with its zeros
+    arrive(&mut net, 1, 0, 100.0); // g1: too late for round 0
+    deliver(&mut net, 0, Kind::Round); // round 0 completes at rank 0
+    assert_eq!(net.take_round(0, 0).sum.as_slice(), &[1.0, 1.0]);
+    arrive(&mut net, 0, 1, 2.0); // rank 0 starts round 1
+    deliver(&mut net, 1, Kind::Activation); // round 1 waits at rank 1 behind round 0
+    deliver(&mut net, 1, Kind::Round); // round 0 completes at rank 1; round 1 starts
+    let r0 = net.take_round(1, 0);
+    assert!(!r0.fresh);
+    assert_eq!(r0.sum.as_slice(), &[1.0, 1.0]);
+    net.pump(100);
+    arrive(&mut net, 1, 1, 200.0);
+    net.pump(100);
+    for rank in 0..2 {
+        let r1 = net.take_round(rank, 1);
+        assert_eq!(r1.sum.as_slice(), &[2.0, 2.0], "rank {rank}: g1 was not dropped");
+    }
+}
