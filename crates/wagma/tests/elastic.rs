@@ -11,7 +11,27 @@ use wagma::{Comm, EngineConfig, Error, Payload};
 #[test]
 fn wagma_goes_on_without_a_dead_rank() {
     // Every rank pulls its model towards 1.0; rank 5 dies half-way.
-    let out = elastic_run(8, 60, |r| (r == 5).then_some(30));
+    assert_survivors_converge(elastic_run(8, 60, wagma(), |r| (r == 5).then_some(30)));
+}
+
+fn wagma() -> Algorithm {
+    Algorithm::Wagma(WagmaOptions {
+        tau: Some(5),
+        ..WagmaOptions::default()
+    })
+}
+
+#[test]
+fn d_psgd_averages_over_the_living_neighbours_after_a_loss() {
+    // Ranks 4 and 6 lose a ring neighbour: they must average two models, not divide the sum
+    // of two by three (which would pull them towards 0 at every step).
+    assert_survivors_converge(elastic_run(8, 60, Algorithm::DPsgd, |r| {
+        (r == 5).then_some(30)
+    }));
+}
+
+/// Every rank but rank 5 (which died) ends within 0.05 of the optimum 1.0.
+fn assert_survivors_converge(out: Vec<Result<Vec<f32>, Error>>) {
     for (rank, r) in out.iter().enumerate() {
         if rank == 5 {
             assert!(r.is_err());
@@ -67,12 +87,13 @@ fn collectives_average_over_the_living_after_a_loss() {
     }
 }
 
-/// Trains `p` elastic WAGMA ranks for `steps` steps, each pulling its model towards 1.0;
+/// Trains `p` elastic ranks for `steps` steps, each pulling its model towards 1.0;
 /// `dies(rank)` is the step at which a rank stops (if ever). Returns each rank's consensus
 /// model or error.
 fn elastic_run(
     p: usize,
     steps: u64,
+    algorithm: Algorithm,
     dies: impl Fn(usize) -> Option<u64> + Sync,
 ) -> Vec<Result<Vec<f32>, Error>> {
     let cfg = EngineConfig {
@@ -81,10 +102,7 @@ fn elastic_run(
         elastic: true,
         ..EngineConfig::default()
     };
-    let algo = AlgoConfig::new(Algorithm::Wagma(WagmaOptions {
-        tau: Some(5),
-        ..WagmaOptions::default()
-    }));
+    let algo = AlgoConfig::new(algorithm);
     let out = threaded::run(p, cfg, async |c: &mut Comm| {
         let rank = c.rank();
         let mut w = Worker::new(
@@ -129,7 +147,7 @@ fn no_quorum<T>(r: &Result<T, Error>) -> Option<&Error> {
 #[test]
 fn survivors_without_a_strict_majority_stop_naming_the_partition() {
     // 4 ranks: losing rank 3 leaves 3 of 4 (a majority); losing rank 2 as well leaves 2 of 4.
-    let out = elastic_run(4, 40, |r| match r {
+    let out = elastic_run(4, 40, wagma(), |r| match r {
         3 => Some(5),
         2 => Some(20),
         _ => None,
@@ -151,7 +169,7 @@ fn survivors_without_a_strict_majority_stop_naming_the_partition() {
 
 #[test]
 fn losing_rank_0_ends_an_elastic_job_on_every_survivor() {
-    let out = elastic_run(3, 40, |r| (r == 0).then_some(10));
+    let out = elastic_run(3, 40, wagma(), |r| (r == 0).then_some(10));
     for r in &out[1..] {
         match no_quorum(r) {
             Some(e @ Error::NoQuorum { lost: 0, .. }) => {

@@ -648,8 +648,13 @@ impl<'c> Worker<'c> {
                     _ => Neighbours::Sets(&nb, &nb),
                 };
                 let e = Self::neighbour_exchange(self.comm, pieces, t, pattern, own, 0.0).await?;
-                self.state
-                    .mix(scope, &e.data, 1.0 / (nb.len() + 1) as f32, false);
+                // In elastic mode a dead neighbour sends nothing: average who contributed.
+                let n = if self.comm.config().elastic {
+                    e.contributions.len().max(1)
+                } else {
+                    nb.len() + 1
+                };
+                self.state.mix(scope, &e.data, 1.0 / n as f32, false);
                 e.data.recycle();
             }
             Algorithm::AdPsgd => {

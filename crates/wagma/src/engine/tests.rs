@@ -860,6 +860,10 @@ fn a_gradient_that_arrives_while_its_round_runs_is_dropped_not_taken_by_the_next
     net.pump(100);
     for rank in 0..2 {
         let r1 = net.take_round(rank, 1);
-        assert_eq!(r1.sum.as_slice(), &[2.0, 2.0], "rank {rank}: g1 was not dropped");
+        assert_eq!(
+            r1.sum.as_slice(),
+            &[2.0, 2.0],
+            "rank {rank}: g1 was not dropped"
+        );
     }
 }
