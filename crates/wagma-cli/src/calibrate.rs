@@ -8,10 +8,10 @@ use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 use comfy_table::Table;
 use serde::{Deserialize, Serialize};
-use wagma::algo::{LateGradients, SendOrder};
+use wagma::algo::SendOrder;
 use wagma::imbalance::Profile;
 use wagma::schedule::AllreduceAlgorithm;
-use wagma::topology::{PeerOffsets, default_group_size};
+use wagma::topology::default_group_size;
 use wagma::{Comm, Payload};
 use wagma_sim::calibrate::{Collective, Measurement, fit, simulated, time_collective};
 use wagma_sim::{LogGp, simulate};
@@ -310,8 +310,7 @@ pub fn validate(a: ValidateArgs) -> anyhow::Result<()> {
                 peers: setting("peers")? as usize,
                 exchange_pieces: 1,
                 send_order: SendOrder::Together,
-                sgp_offsets: PeerOffsets::Disjoint,
-                late_gradients: LateGradients::Accumulate,
+                variants: Default::default(),
                 network: None,
                 latency: None,
                 bandwidth: None,

@@ -64,16 +64,10 @@ pub struct Common {
     #[arg(long, default_value_t = SendOrder::Together)]
     #[serde(default)]
     pub send_order: SendOrder,
-    /// SGP: peer offsets, disjoint (each iteration the next powers of two) or sliding
-    /// (consecutive iterations share all but one, as the authors' baseline).
-    #[arg(long, default_value_t = PeerOffsets::Disjoint)]
-    #[serde(default)]
-    pub sgp_offsets: PeerOffsets,
-    /// eager-SGD: a gradient that misses its round is contributed to the next (accumulate) or
-    /// dropped (drop, as the authors' code).
-    #[arg(long, default_value_t = LateGradients::Accumulate)]
-    #[serde(default)]
-    pub late_gradients: LateGradients,
+    /// SGP's offsets and eager-SGD's late gradients.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub variants: Variants,
     /// Network parameters from `wagma simulate calibrate` (default: a Cray XC50 with the Aries
     /// interconnect; the README lists where each value comes from).
     #[arg(long)]
@@ -87,6 +81,28 @@ pub struct Common {
     /// Seed.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+/// The baselines' variants that every algorithm list accepts (each applies to one algorithm).
+#[derive(ClapArgs, Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Variants {
+    /// SGP: peer offsets, disjoint (each iteration the next powers of two) or sliding
+    /// (consecutive iterations share all but one, as the authors' baseline).
+    #[arg(long, default_value_t = PeerOffsets::Disjoint)]
+    #[serde(default)]
+    pub sgp_offsets: PeerOffsets,
+    /// eager-SGD: a gradient that misses its round is contributed to the next (accumulate) or
+    /// dropped (drop, as the authors' code).
+    #[arg(long, default_value_t = LateGradients::Accumulate)]
+    #[serde(default)]
+    pub late_gradients: LateGradients,
+}
+
+impl Variants {
+    /// Sets them on `algorithm` (where they apply).
+    pub fn apply(&self, algorithm: &mut Algorithm) {
+        algorithm.set_variants(self.sgp_offsets, self.late_gradients);
+    }
 }
 
 /// A LogGP network: from a calibration file (default: [`LogGp::aries`]), with the latency and
@@ -146,8 +162,7 @@ impl Common {
         let mut c = crate::bench::algo_config(name, ranks, None, self.tau, self.peers, self.seed)?;
         c.exchange_pieces = self.exchange_pieces;
         c.send_order = self.send_order;
-        c.algorithm
-            .set_variants(self.sgp_offsets, self.late_gradients);
+        self.variants.apply(&mut c.algorithm);
         c.validate(ranks)?;
         Ok(c)
     }

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 use serde::{Deserialize, Serialize};
-use wagma::algo::{AlgoConfig, Algorithm, LateGradients, WagmaOptions};
+use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
 use wagma::imbalance::{Imbalance, Profile};
-use wagma::topology::{GroupingKind, PeerOffsets, default_group_size};
+use wagma::topology::{GroupingKind, default_group_size};
 use wagma_train::trainer::EvalRecord;
 use wagma_train::workloads::image::Dataset;
 use wagma_train::{Execution, Summary, TrainConfig, WorkloadKind};
@@ -84,15 +84,10 @@ pub struct Args {
     /// Image: label-skewed shards (the non-IID ablation).
     #[arg(long)]
     pub non_iid: bool,
-    /// SGP's peer offsets: disjoint (each iteration the next powers of two) or sliding (the
-    /// authors' baseline).
-    #[arg(long, default_value_t = PeerOffsets::Disjoint)]
-    #[serde(default)]
-    pub sgp_offsets: PeerOffsets,
-    /// eager-SGD's late gradients: accumulate (into the next round) or drop (the authors' code).
-    #[arg(long, default_value_t = LateGradients::Accumulate)]
-    #[serde(default)]
-    pub late_gradients: LateGradients,
+    /// SGP's offsets and eager-SGD's late gradients.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub variants: crate::simulate::Variants,
     /// Output directory.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -191,7 +186,7 @@ fn plan(args: &Args) -> anyhow::Result<Vec<(String, AlgoConfig)>> {
     let mut out = Vec::new();
     for n in &names {
         let mut a = Algorithm::from_name(n.trim())?;
-        a.set_variants(args.sgp_offsets, args.late_gradients);
+        args.variants.apply(&mut a);
         a.validate(args.ranks)?;
         out.push(("main".to_string(), seeded(a, args.seed)));
     }
