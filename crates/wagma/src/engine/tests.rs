@@ -71,15 +71,29 @@ impl Net {
 }
 
 fn open(net: &mut Net, s: usize, len: usize) {
+    open_with(net, s, ContributionMode::Model, ReadMode::Latest, |r| {
+        vec![r as f32; len]
+    });
+}
+
+/// Opens a solo-triggered butterfly stream of groups of `s` on every rank, with rank r's
+/// initial contribution `initial(r)`.
+fn open_with(
+    net: &mut Net,
+    s: usize,
+    mode: ContributionMode,
+    read: ReadMode,
+    initial: impl Fn(Rank) -> Vec<f32>,
+) {
     for r in 0..net.engines.len() {
         let cfg = StreamConfig {
             group_size: s,
             grouping: GroupingKind::Butterfly,
             trigger: Trigger::Solo,
-            mode: ContributionMode::Model,
-            read: ReadMode::Latest,
+            mode,
+            read,
             sync_period: None,
-            initial: Payload::Data(vec![r as f32; len]),
+            initial: Payload::Data(initial(r)),
             initial_steps: 0,
         };
         net.request(r, 1000, Request::OpenStream(Box::new(cfg)));
@@ -819,20 +833,13 @@ fn a_gradient_that_arrives_while_its_round_runs_is_dropped_not_taken_by_the_next
     // without it, and round 1's activation reaches it before round 0 completes there: g1 must
     // be dropped, not contributed to round 1.
     let mut net = Net::new(2);
-    for r in 0..2 {
-        let cfg = StreamConfig {
-            group_size: 2,
-            grouping: GroupingKind::Butterfly,
-            trigger: Trigger::Solo,
-            mode: ContributionMode::DropLate,
-            read: ReadMode::Exact,
-            sync_period: None,
-            initial: Payload::Data(vec![0.0; 2]),
-            initial_steps: 0,
-        };
-        net.request(r, 1000, Request::OpenStream(Box::new(cfg)));
-    }
-    net.done.clear();
+    open_with(
+        &mut net,
+        2,
+        ContributionMode::DropLate,
+        ReadMode::Exact,
+        |_| vec![0.0; 2],
+    );
     let deliver = |net: &mut Net, to: Rank, kind: Kind| {
         let i = net
             .wire
