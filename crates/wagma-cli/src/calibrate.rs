@@ -307,6 +307,8 @@ pub fn validate(a: ValidateArgs) -> anyhow::Result<()> {
                 steps: a.steps,
                 batch: setting("batch")? as usize,
                 tau: setting("tau")?,
+                group_size: report["args"]["group_size"].as_u64().map(|g| g as usize),
+                eager_sync: None,
                 peers: setting("peers")? as usize,
                 exchange_pieces: 1,
                 send_order: SendOrder::Together,

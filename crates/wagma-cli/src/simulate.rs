@@ -52,6 +52,14 @@ pub struct Common {
     /// WAGMA's tau.
     #[arg(long, default_value_t = 10)]
     pub tau: u64,
+    /// WAGMA's group size S (default: sqrt(P) rounded up to a power of two).
+    #[arg(long)]
+    #[serde(default)]
+    pub group_size: Option<usize>,
+    /// eager-SGD: blocking gradient allreduce every N steps, or "never" (default: 32).
+    #[arg(long)]
+    #[serde(default)]
+    pub eager_sync: Option<String>,
     /// SGP's peers.
     #[arg(long, default_value_t = 1)]
     pub peers: usize,
@@ -159,7 +167,19 @@ impl Common {
 
     /// The algorithm called `name`, with these options.
     pub fn algo(&self, name: &str, ranks: usize) -> anyhow::Result<AlgoConfig> {
-        let mut c = crate::bench::algo_config(name, ranks, None, self.tau, self.peers, self.seed)?;
+        let mut c = crate::bench::algo_config(
+            name,
+            ranks,
+            self.group_size,
+            self.tau,
+            self.peers,
+            self.seed,
+        )?;
+        if let (Algorithm::EagerSgd { sync_period, .. }, Some(s)) =
+            (&mut c.algorithm, &self.eager_sync)
+        {
+            *sync_period = crate::train::never_or(s, "eager-sync")?;
+        }
         c.exchange_pieces = self.exchange_pieces;
         c.send_order = self.send_order;
         self.variants.apply(&mut c.algorithm);

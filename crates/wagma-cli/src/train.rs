@@ -255,7 +255,8 @@ impl Args {
     }
 }
 
-fn never_or<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Option<T>> {
+/// `None` for "never", else the number `s` names.
+pub(crate) fn never_or<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Option<T>> {
     if s == "never" {
         return Ok(None);
     }
@@ -573,7 +574,7 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or_default();
-        let label = c.algo.algorithm.label().replace([' ', '='], "-");
+        let label = c.algo.label().replace([' ', '='], "-");
         PathBuf::from(format!("runs/{}-{label}-{secs}", c.workload))
     });
     c.validate()?;
@@ -708,7 +709,7 @@ fn go<W: wagma_train::workloads::Workload>(
         eprintln!(
             "training {} with {} on {} ranks ({data}); outputs in {}",
             c.workload,
-            c.algo.algorithm.label(),
+            c.algo.label(),
             c.ranks,
             c.out.display()
         );

@@ -383,6 +383,21 @@ fn simulate_runs_the_authors_variants_of_sgp_and_eager_sgd() {
     // Dropping changes what a round sums, never when it runs.
     assert_eq!(kept["samples_per_s"], dropped["samples_per_s"]);
     assert!(kept["samples_per_s"].as_f64().unwrap() > 0.0);
+    // Blocking rounds every 5 steps make solo eager-SGD wait.
+    let unsynced = sim(&["--algo", "eager-sgd-solo", "--eager-sync", "never"]);
+    let synced = sim(&["--algo", "eager-sgd-solo", "--eager-sync", "5"]);
+    assert_eq!(unsynced["algorithm"], "eager-sgd solo sync=never");
+    assert_eq!(synced["algorithm"], "eager-sgd solo sync=5");
+    assert!(unsynced["samples_per_s"].as_f64() > synced["samples_per_s"].as_f64());
+    let small = sim(&["--algo", "wagma", "--group-size", "2"]);
+    assert_eq!(small["algorithm"], "wagma S=2 tau=10");
+    // Chained pieces: the label says so, and the bound waits for them too (every rank within
+    // 4 hops), so it is below the bound of one exchange.
+    let one = sim(&["--algo", "d-psgd"]);
+    let pieces = sim(&["--algo", "d-psgd", "--exchange-pieces", "4"]);
+    assert_eq!(pieces["algorithm"], "d-psgd pieces=4");
+    assert!(pieces["bound_samples_per_s"].as_f64() < one["bound_samples_per_s"].as_f64());
+    assert!(pieces["samples_per_s"].as_f64() <= pieces["bound_samples_per_s"].as_f64());
 }
 
 #[test]

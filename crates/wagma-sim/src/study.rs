@@ -87,11 +87,11 @@ pub fn simulate_on(spec: &SimSpec, network: Box<dyn NetworkModel>) -> Result<Sim
     .swap_remove(0);
     let samples = (spec.ranks * spec.batch) as f64 * spec.steps as f64;
     Ok(SimResult {
-        algorithm: spec.algo.algorithm.label(),
+        algorithm: spec.algo.label(),
         ranks: spec.ranks,
         samples_per_s: stats.samples_per_s(),
         ideal_samples_per_s: samples / ideal_wall(&draws),
-        bound_samples_per_s: samples / bound_wall(&spec.algo.algorithm, &draws, spec.algo.seed),
+        bound_samples_per_s: samples / bound_wall(&spec.algo, &draws),
         stats,
         simulation_s: t0.elapsed().as_secs_f64(),
     })

@@ -536,7 +536,7 @@ pub fn run<W: Workload>(
     let summary = Summary {
         workload: w.name().into(),
         data: shared.data.clone(),
-        label: cfg.algo.algorithm.label(),
+        label: cfg.algo.label(),
         algo: cfg.algo.clone(),
         optimizer: cfg.optimizer_or_default(),
         ranks,
@@ -999,7 +999,7 @@ async fn write_checkpoint<W: Workload>(
                 format: checkpoint::FORMAT_VERSION,
                 workload: s.w.name().into(),
                 layout: s.init.layout.clone(),
-                algorithm: s.cfg.algo.algorithm.label(),
+                algorithm: s.cfg.algo.label(),
                 ranks: worker.comm().size(),
                 iteration,
                 seed: s.cfg.seed,

@@ -34,6 +34,9 @@ pub enum ConfigError {
     /// The local-SGD period is zero.
     #[error("the local-SGD period H must be at least 1")]
     ZeroPeriod,
+    /// eager-SGD's period of blocking rounds is zero.
+    #[error("eager-SGD's sync period must be at least 1 (or never)")]
+    ZeroSyncPeriod,
     /// Too many peers for the exponential graph.
     #[error(
         "sgp with {peers} peers is impossible with P = {ranks}: at most {max} distinct \

@@ -140,7 +140,7 @@ async fn run_all(c: &mut Comm, specs: &[Spec]) -> Result<Vec<JobStats>, wagma::E
     let mut out = Vec::with_capacity(specs.len());
     for s in specs {
         if c.rank() == 0 {
-            eprintln!("running {} ...", s.algo.algorithm.label());
+            eprintln!("running {} ...", s.algo.label());
         }
         out.push(measure::run(c, s).await?);
     }
@@ -187,10 +187,10 @@ fn build(args: &Args, specs: &[Spec], stats: Vec<JobStats>) -> Report {
         .iter()
         .zip(stats)
         .map(|(s, st)| {
-            let bound = samples / bound_wall(&s.algo.algorithm, draws, s.algo.seed);
+            let bound = samples / bound_wall(&s.algo, draws);
             let sps = st.samples_per_s();
             Row {
-                algorithm: s.algo.algorithm.label(),
+                algorithm: s.algo.label(),
                 iterations_per_s: st.iterations_per_s(),
                 samples_per_s: sps,
                 wait_fraction: st.wait_fraction(),

@@ -319,7 +319,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut runs = Vec::with_capacity(plan.len());
     let mut costs = Vec::with_capacity(plan.len());
     for (i, (group, algo)) in plan.iter().enumerate() {
-        let label = algo.algorithm.label();
+        let label = algo.label();
         let dir = out.join("runs").join(format!("{i:02}-{}", slug(&label)));
         let mut c = TrainConfig {
             workload,

@@ -112,7 +112,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let r = Report {
         model: format!("image CNN (residual blocks with BatchNorm), batch 32, on {data}"),
         params,
-        algorithm: algo.algorithm.label(),
+        algorithm: algo.label(),
         steps_per_block: steps,
         blocks,
         plain_ms_per_step: p,

@@ -2,15 +2,21 @@
 //! communication: replay the draws through the rules. Measured throughput over this bound is
 //! the implementation's efficiency.
 
-use super::config::{Algorithm, EagerMode, WagmaOptions};
+use super::config::{AlgoConfig, Algorithm, EagerMode, SendOrder, WagmaOptions};
 use crate::engine::initiator;
 use crate::topology::{ExponentialGraph, Grouping, default_group_size, ring_neighbors};
 
-/// Wall time of the whole job (seconds) under `algorithm`'s waiting rules, for compute times
-/// `draws[step][rank]` and free communication. `seed` is the shared seed (majority initiators).
-pub fn bound_wall(algorithm: &Algorithm, draws: &[Vec<f64>], seed: u64) -> f64 {
+/// Wall time of the whole job (seconds) under `algo`'s waiting rules, for compute times
+/// `draws[step][rank]` and free communication.
+pub fn bound_wall(algo: &AlgoConfig, draws: &[Vec<f64>]) -> f64 {
+    finish_times(algo, draws).into_iter().fold(0.0, f64::max)
+}
+
+/// When each rank finishes the last step under `algo`'s waiting rules, with free communication.
+fn finish_times(algo: &AlgoConfig, draws: &[Vec<f64>]) -> Vec<f64> {
+    let algorithm = &algo.algorithm;
     let Some(p) = draws.first().map(Vec::len) else {
-        return 0.0;
+        return Vec::new();
     };
     let mut f = vec![0.0f64; p];
     let grouping = match algorithm {
@@ -33,6 +39,16 @@ pub fn bound_wall(algorithm: &Algorithm, draws: &[Vec<f64>], seed: u64) -> f64 {
         }
         _ => None,
     };
+    // Each piece of a neighbour exchange starts once the previous one is done at the rank and
+    // at the peers it receives from: `waits_on(r)` are those peers for one piece.
+    let pieces = algo.exchange_pieces.max(1);
+    let exchange = |a: Vec<f64>, waits_on: &dyn Fn(usize) -> Vec<usize>| {
+        (0..pieces).fold(a, |e, _| {
+            (0..p)
+                .map(|r| waits_on(r).iter().map(|&m| e[m]).fold(e[r], f64::max))
+                .collect()
+        })
+    };
     for (t, c) in draws.iter().enumerate() {
         let t = t as u64;
         let a: Vec<f64> = f.iter().zip(c).map(|(x, y)| x + y).collect();
@@ -48,18 +64,18 @@ pub fn bound_wall(algorithm: &Algorithm, draws: &[Vec<f64>], seed: u64) -> f64 {
                     .collect(),
                 None => a,
             },
-            Algorithm::DPsgd => (0..p)
-                .map(|r| {
-                    ring_neighbors(r, p)
-                        .iter()
-                        .map(|&m| a[m])
-                        .fold(a[r], f64::max)
-                })
-                .collect(),
+            Algorithm::DPsgd => match algo.send_order {
+                SendOrder::Together => exchange(a, &|r| ring_neighbors(r, p)),
+                // The data from the right neighbour leaves once the rank two to the right has
+                // entered: a window of r - 1 ..= r + 2 per piece.
+                SendOrder::RightThenLeft => exchange(a, &|r| {
+                    let mut w: Vec<usize> = [p - 1, 1, 2].iter().map(|d| (r + d) % p).collect();
+                    w.retain(|&m| m != r);
+                    w
+                }),
+            },
             Algorithm::Sgp { .. } => match &graph {
-                Some(g) => (0..p)
-                    .map(|r| g.in_peers(r, t).iter().map(|&m| a[m]).fold(a[r], f64::max))
-                    .collect(),
+                Some(g) => exchange(a, &|r| g.in_peers(r, t)),
                 None => a,
             },
             Algorithm::EagerSgd { sync_period, .. } if every(*sync_period) => vec![slowest; p],
@@ -67,13 +83,13 @@ pub fn bound_wall(algorithm: &Algorithm, draws: &[Vec<f64>], seed: u64) -> f64 {
                 mode: EagerMode::Majority,
                 ..
             } => {
-                let i = initiator(seed, t, p);
+                let i = initiator(algo.seed, t, p);
                 a.iter().map(|&x| x.max(a[i])).collect()
             }
             _ => a,
         };
     }
-    f.into_iter().fold(0.0, f64::max)
+    f
 }
 
 /// Wall time with no waiting and no communication at all: the slowest rank's total compute.
@@ -89,6 +105,10 @@ mod tests {
     use super::*;
     use crate::imbalance::{Imbalance, Profile};
 
+    fn cfg(algorithm: Algorithm) -> AlgoConfig {
+        AlgoConfig::new(algorithm)
+    }
+
     #[test]
     fn reference_figures() {
         // Compute c, two of 16 ranks delayed by 0.71c per step, tau = 10: WAGMA's bound is about
@@ -99,8 +119,8 @@ mod tests {
             seed: 3,
         };
         let draws = im.table(2000, 16);
-        let wagma = bound_wall(&Algorithm::Wagma(WagmaOptions::default()), &draws, 0);
-        let ar = bound_wall(&Algorithm::AllreduceSgd, &draws, 0);
+        let wagma = bound_wall(&cfg(Algorithm::Wagma(WagmaOptions::default())), &draws);
+        let ar = bound_wall(&cfg(Algorithm::AllreduceSgd), &draws);
         let ideal = ideal_wall(&draws);
         let speedup = ar / wagma;
         let of_ideal = ideal / wagma;
@@ -108,11 +128,49 @@ mod tests {
         assert!((of_ideal - 0.88).abs() < 0.03, "{of_ideal}");
         // Free communication and no waiting: AD-PSGD and solo eager-SGD without syncs reach
         // the ideal; every rule waits at least as long as no rule.
-        assert_eq!(bound_wall(&Algorithm::AdPsgd, &draws, 0), ideal);
+        assert_eq!(bound_wall(&cfg(Algorithm::AdPsgd), &draws), ideal);
         for name in Algorithm::NAMES {
-            let a = Algorithm::from_name(name).unwrap();
-            assert!(bound_wall(&a, &draws, 0) >= ideal - 1e-9, "{name}");
-            assert!(bound_wall(&a, &draws, 0) <= ar + 1e-9, "{name}");
+            let a = cfg(Algorithm::from_name(name).unwrap());
+            assert!(bound_wall(&a, &draws) >= ideal - 1e-9, "{name}");
+            assert!(bound_wall(&a, &draws) <= ar + 1e-9, "{name}");
         }
+    }
+
+    #[test]
+    fn chained_pieces_widen_what_a_rank_waits_for() {
+        // One step on a ring of 13; rank 0 computes 10 s longer. With k pieces a rank waits for
+        // every rank within k hops, or with right-then-left sends for ranks r - k ..= r + 2k.
+        let p = 13;
+        let mut step = vec![1.0; p];
+        step[0] = 11.0;
+        let draws = vec![step];
+        let delayed = |algo: &AlgoConfig| -> Vec<usize> {
+            let f = finish_times(algo, &draws);
+            (0..p).filter(|&r| f[r] > 5.0).collect()
+        };
+        for k in [1u32, 2, 4] {
+            let mut d = cfg(Algorithm::DPsgd);
+            d.exchange_pieces = k;
+            let k = k as usize;
+            let mut hops: Vec<usize> = (0..=k).chain(p - k..p).collect();
+            hops.sort_unstable();
+            assert_eq!(delayed(&d), hops, "together, {k} pieces");
+            d.send_order = SendOrder::RightThenLeft;
+            let mut window: Vec<usize> = (0..=k).chain(p - 2 * k..p).collect();
+            window.sort_unstable();
+            assert_eq!(delayed(&d), window, "right-then-left, {k} pieces");
+        }
+        // SGP: each piece waits for that iteration's in-peers (offsets 1 and 2 at t = 0).
+        let mut sgp = cfg(Algorithm::Sgp {
+            peers: 2,
+            offsets: crate::topology::PeerOffsets::Disjoint,
+        });
+        let one = delayed(&sgp);
+        sgp.exchange_pieces = 2;
+        let two = delayed(&sgp);
+        assert!(
+            one.len() < two.len() && one.iter().all(|r| two.contains(r)),
+            "{one:?} {two:?}"
+        );
     }
 }

@@ -320,7 +320,7 @@ impl Algorithm {
             Algorithm::EagerSgd {
                 sync_period: Some(0),
                 ..
-            } => return Err(ConfigError::ZeroPeriod),
+            } => return Err(ConfigError::ZeroSyncPeriod),
             _ => {}
         }
         Ok(())
@@ -396,6 +396,19 @@ impl AlgoConfig {
         }
     }
 
+    /// The algorithm's label, with the exchange options where they differ from the defaults
+    /// (they change what a rank waits for, so runs that differ only in them must be told apart).
+    pub fn label(&self) -> String {
+        let mut s = self.algorithm.label();
+        if self.exchange_pieces != 1 {
+            s += &format!(" pieces={}", self.exchange_pieces);
+        }
+        if self.send_order != SendOrder::Together {
+            s += &format!(" {}", self.send_order);
+        }
+        s
+    }
+
     /// Checks the algorithm against the number of ranks, and the order against the algorithm.
     pub fn validate(&self, ranks: usize) -> Result<(), ConfigError> {
         self.algorithm.validate(ranks)?;
@@ -456,6 +469,15 @@ mod tests {
             Algorithm::LocalSgd { period: 0 }.validate(4),
             Err(ConfigError::ZeroPeriod)
         );
+        assert_eq!(
+            Algorithm::EagerSgd {
+                mode: EagerMode::Solo,
+                sync_period: Some(0),
+                late: LateGradients::Accumulate,
+            }
+            .validate(4),
+            Err(ConfigError::ZeroSyncPeriod)
+        );
         assert!(matches!(
             Algorithm::Sgp {
                 peers: 4,
@@ -474,6 +496,11 @@ mod tests {
         let mut sgp = Algorithm::from_name("sgp").unwrap();
         sgp.set_variants(PeerOffsets::Sliding, LateGradients::Drop);
         assert_eq!(sgp.label(), "sgp 1n sliding");
+        let mut d = AlgoConfig::new(Algorithm::DPsgd);
+        assert_eq!(d.label(), "d-psgd");
+        d.exchange_pieces = 161;
+        d.send_order = SendOrder::RightThenLeft;
+        assert_eq!(d.label(), "d-psgd pieces=161 right-then-left");
         for offsets in [PeerOffsets::Disjoint, PeerOffsets::Sliding] {
             assert!(matches!(
                 Algorithm::Sgp { peers: 3, offsets }.validate(8),

@@ -292,7 +292,7 @@ impl<'c> Worker<'c> {
                 op: Op::Other("resume"),
                 detail: format!(
                     "{} cannot resume at iteration {}: communication is in flight there",
-                    cfg.algorithm.label(),
+                    cfg.label(),
                     resume.iteration
                 ),
             });
