@@ -7,15 +7,16 @@ use common::{bench_collectives_rows, launch_tcp_train, ok, ok_json, tmp, wagma};
 fn bench_collectives_runs_over_mem_and_tcp() {
     for transport in ["mem", "tcp"] {
         let rows = bench_collectives_rows(wagma(), transport, 3);
-        // Over TCP a raw loopback stream comes last, as the reference.
-        assert_eq!(rows.len(), if transport == "tcp" { 8 } else { 7 });
+        // Over TCP raw loopback streams come last, as the references: one alone, and one per
+        // rank at once.
+        assert_eq!(rows.len(), if transport == "tcp" { 9 } else { 7 });
         for r in &rows {
             assert!(r["vs_memcpy"].as_f64().unwrap() > 0.0);
             assert!(r["bus_gb_per_s"].as_f64().unwrap() > 0.0);
             // The memory bound is computed for the in-process transport only.
             assert_eq!(
                 r["memory_bound_gb_per_s"].is_number(),
-                transport == "mem" && r["collective"] != "loopback-stream",
+                transport == "mem",
                 "{r}"
             );
         }
@@ -29,6 +30,8 @@ fn bench_collectives_runs_over_mem_and_tcp() {
         assert_eq!(rows[4]["algorithm"], "reduce-broadcast");
         if transport == "tcp" {
             assert_eq!(rows[7]["collective"], "loopback-stream");
+            assert_eq!(rows[8]["collective"], "loopback-streams");
+            assert_eq!(rows[8]["members"], 3);
         }
     }
 }

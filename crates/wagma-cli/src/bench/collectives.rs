@@ -1,5 +1,5 @@
 //! `wagma bench collectives`: every collective and algorithm, median time and bandwidth, next
-//! to a memcpy of the same buffer and (over TCP) a raw loopback stream, measured in the same
+//! to a memcpy of the same buffer and (over TCP) raw loopback streams, measured in the same
 //! run.
 //!
 //! Bandwidths follow NCCL tests' convention: the algorithm bandwidth is the buffer's bytes over
@@ -87,6 +87,11 @@ pub struct Report {
     pub memcpy_gb_per_s: f64,
     /// TCP transport: one loopback TCP stream carrying the buffer, GB/s.
     pub loopback_gb_per_s: Option<f64>,
+    /// TCP transport: the rate of each of P loopback streams that carry the buffer at the same
+    /// time, as when every rank sends to its partner (what this machine's loopback gives a
+    /// rank while all ranks send), GB/s.
+    #[serde(default)]
+    pub concurrent_loopback_gb_per_s: Option<f64>,
     /// Measurements.
     pub rows: Vec<Row>,
 }
@@ -163,11 +168,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     };
     let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
-    let loopback = match args.transport {
-        TransportKind::Tcp => Some(loopback_gb_per_s(args.elements * 4, args.reps.max(3))?),
-        _ => None,
+    let (loopback, concurrent) = match args.transport {
+        TransportKind::Tcp => {
+            let (bytes, reps) = (args.elements * 4, args.reps.max(3));
+            (
+                Some(loopback_gb_per_s(bytes, 1, reps)?),
+                Some(loopback_gb_per_s(bytes, args.ranks, reps)?),
+            )
+        }
+        _ => (None, None),
     };
-    let report = build_report(&args, s, memcpy, loopback, times);
+    let mut report = build_report(&args, s, memcpy, loopback, times);
+    if let Some(gb) = concurrent {
+        report.concurrent_loopback_gb_per_s = Some(gb);
+        report.rows.push(stream_row(
+            "loopback-streams",
+            format!("{} TCP connections at once", args.ranks),
+            args.ranks,
+            report.buffer_bytes,
+            gb,
+            memcpy,
+        ));
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -191,35 +213,57 @@ fn memcpy_gb_per_s(n: usize, reps: usize) -> f64 {
     (n * 4) as f64 / median(&mut times) / 1e9
 }
 
-/// One TCP connection on loopback, one thread writing the buffer and this one reading it into
-/// a buffer of its own: the median rate over `reps` transfers (after one unmeasured).
-fn loopback_gb_per_s(bytes: usize, reps: usize) -> anyhow::Result<f64> {
+/// `streams` TCP connections on loopback, each with a thread writing the buffer `reps + 1`
+/// times and one reading it into a buffer of its own: the median over the rounds after the
+/// first of the time from the last stream delivering one copy to the last delivering the next,
+/// as a rate per stream.
+fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Result<f64> {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    let writer = std::thread::spawn(move || -> std::io::Result<()> {
-        let src = vec![1u8; bytes];
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_nodelay(true)?;
-        for _ in 0..=reps {
-            s.write_all(&src)?;
-        }
-        Ok(())
-    });
-    let (mut s, _) = listener.accept()?;
-    let mut dst = vec![0u8; bytes];
-    let mut times = Vec::with_capacity(reps);
-    for rep in 0..=reps {
-        let t = Instant::now();
-        s.read_exact(&mut dst)?;
-        if rep > 0 {
-            times.push(t.elapsed().as_secs_f64());
+    let mut writers = Vec::with_capacity(streams);
+    let mut readers = Vec::with_capacity(streams);
+    for _ in 0..streams {
+        writers.push(std::thread::spawn(move || -> std::io::Result<()> {
+            let src = vec![1u8; bytes];
+            let mut s = std::net::TcpStream::connect(addr)?;
+            s.set_nodelay(true)?;
+            for _ in 0..=reps {
+                s.write_all(&src)?;
+            }
+            Ok(())
+        }));
+        let (mut s, _) = listener.accept()?;
+        readers.push(std::thread::spawn(
+            move || -> std::io::Result<Vec<Instant>> {
+                let mut dst = vec![0u8; bytes];
+                (0..=reps)
+                    .map(|_| s.read_exact(&mut dst).map(|()| Instant::now()))
+                    .collect()
+            },
+        ));
+    }
+    let mut delivered: Vec<Vec<Instant>> = Vec::with_capacity(streams);
+    for r in readers {
+        match r.join() {
+            Ok(r) => delivered.push(r?),
+            Err(_) => bail!("a loopback reader thread panicked"),
         }
     }
-    match writer.join() {
-        Ok(r) => r?,
-        Err(_) => bail!("the loopback writer thread panicked"),
+    for w in writers {
+        match w.join() {
+            Ok(r) => r?,
+            Err(_) => bail!("a loopback writer thread panicked"),
+        }
     }
+    // When every stream had delivered copy k.
+    let all: Vec<Instant> = (0..=reps)
+        .filter_map(|k| delivered.iter().map(|d| d[k]).max())
+        .collect();
+    let mut times: Vec<f64> = all
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
     Ok(bytes as f64 / median(&mut times) / 1e9)
 }
 
@@ -400,19 +444,14 @@ fn build_report(
         });
     }
     if let Some(gb) = loopback {
-        rows.push(Row {
-            collective: "loopback-stream".into(),
-            algorithm: "one TCP connection".into(),
-            members: 2,
-            median_s: bytes as f64 / gb / 1e9,
-            gb_per_s: gb,
-            bus_gb_per_s: gb,
-            vs_memcpy: gb / memcpy,
-            memory_bound_gb_per_s: None,
-            messages_per_rank: 1,
-            bytes_per_rank: bytes,
-            optimal_bytes_per_rank: bytes,
-        });
+        rows.push(stream_row(
+            "loopback-stream",
+            "one TCP connection".into(),
+            2,
+            bytes,
+            gb,
+            memcpy,
+        ));
     }
     Report {
         args: args.clone(),
@@ -420,7 +459,32 @@ fn build_report(
         buffer_bytes: bytes,
         memcpy_gb_per_s: memcpy,
         loopback_gb_per_s: loopback,
+        concurrent_loopback_gb_per_s: None,
         rows,
+    }
+}
+
+/// A row for raw loopback streams that carry `bytes` each at `gb` GB/s.
+fn stream_row(
+    collective: &str,
+    algorithm: String,
+    members: usize,
+    bytes: usize,
+    gb: f64,
+    memcpy: f64,
+) -> Row {
+    Row {
+        collective: collective.into(),
+        algorithm,
+        members,
+        median_s: bytes as f64 / gb / 1e9,
+        gb_per_s: gb,
+        bus_gb_per_s: gb,
+        vs_memcpy: gb / memcpy,
+        memory_bound_gb_per_s: None,
+        messages_per_rank: 1,
+        bytes_per_rank: bytes,
+        optimal_bytes_per_rank: bytes,
     }
 }
 
@@ -428,7 +492,10 @@ fn print_table(r: &Report) {
     let loopback = r
         .loopback_gb_per_s
         .map(|g| format!("; one loopback TCP stream: {g:.2} GB/s"))
-        .unwrap_or_default();
+        .unwrap_or_default()
+        + &r.concurrent_loopback_gb_per_s
+            .map(|g| format!(", each of {} at once: {g:.2} GB/s", r.args.ranks))
+            .unwrap_or_default();
     println!(
         "{} ranks over {}, group size {}, buffer {:.1} MiB; memcpy of the buffer: {:.2} GB/s{loopback}",
         r.args.ranks,
@@ -457,6 +524,9 @@ fn print_table(r: &Report) {
     if r.loopback_gb_per_s.is_some() {
         header.push("busbw x loopback");
     }
+    if r.concurrent_loopback_gb_per_s.is_some() {
+        header.push("busbw x P streams");
+    }
     header.extend(["msgs/rank", "MiB/rank", "x optimal"]);
     let mut t = Table::new();
     t.set_header(header);
@@ -475,7 +545,10 @@ fn print_table(r: &Report) {
             cells.push(or_dash(row.memory_bound_gb_per_s));
             cells.push(or_dash(row.memory_bound_gb_per_s.map(|b| row.gb_per_s / b)));
         }
-        if let Some(l) = r.loopback_gb_per_s {
+        for l in [r.loopback_gb_per_s, r.concurrent_loopback_gb_per_s]
+            .into_iter()
+            .flatten()
+        {
             cells.push(format!("{:.3}", row.bus_gb_per_s / l));
         }
         let ratio = (row.optimal_bytes_per_rank > 0 && row.bytes_per_rank > 0)
