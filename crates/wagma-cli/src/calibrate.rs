@@ -309,6 +309,8 @@ pub fn validate(a: ValidateArgs) -> anyhow::Result<()> {
                 tau: setting("tau")?,
                 group_size: report["args"]["group_size"].as_u64().map(|g| g as usize),
                 eager_sync: None,
+                period: None,
+                blocking: false,
                 peers: setting("peers")? as usize,
                 exchange_pieces: 1,
                 send_order: SendOrder::Together,

@@ -60,12 +60,21 @@ pub struct Common {
     #[arg(long)]
     #[serde(default)]
     pub eager_sync: Option<String>,
+    /// local SGD's period H (default: 1).
+    #[arg(long)]
+    #[serde(default)]
+    pub period: Option<u64>,
+    /// WAGMA: blocking group averaging instead of wait-avoiding (lock-step).
+    #[arg(long)]
+    #[serde(default)]
+    pub blocking: bool,
     /// SGP's peers.
     #[arg(long, default_value_t = 1)]
     pub peers: usize,
     /// D-PSGD and SGP: exchange the model as this many chained pieces per iteration (the
     /// authors' baselines exchange one tensor at a time: 161 for ResNet-50).
     #[arg(long, default_value_t = 1)]
+    #[serde(default = "one_piece")]
     pub exchange_pieces: u32,
     /// D-PSGD: send to both ring neighbours together, or right-then-left (the authors'
     /// blocking sends, which also wait for the rank two to the right).
@@ -89,6 +98,10 @@ pub struct Common {
     /// Seed.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+fn one_piece() -> u32 {
+    1
 }
 
 /// The baselines' variants that every algorithm list accepts (each applies to one algorithm).
@@ -175,10 +188,15 @@ impl Common {
             self.peers,
             self.seed,
         )?;
-        if let (Algorithm::EagerSgd { sync_period, .. }, Some(s)) =
-            (&mut c.algorithm, &self.eager_sync)
-        {
-            *sync_period = crate::train::never_or(s, "eager-sync")?;
+        match &mut c.algorithm {
+            Algorithm::EagerSgd { sync_period, .. } => {
+                if let Some(s) = &self.eager_sync {
+                    *sync_period = crate::train::never_or(s, "eager-sync")?;
+                }
+            }
+            Algorithm::LocalSgd { period } => *period = self.period.unwrap_or(*period),
+            Algorithm::Wagma(o) => o.wait_avoiding = !self.blocking,
+            _ => {}
         }
         c.exchange_pieces = self.exchange_pieces;
         c.send_order = self.send_order;

@@ -394,6 +394,11 @@ fn simulate_runs_the_authors_variants_of_sgp_and_eager_sgd() {
     assert!(unsynced["samples_per_s"].as_f64() > synced["samples_per_s"].as_f64());
     let small = sim(&["--algo", "wagma", "--group-size", "2"]);
     assert_eq!(small["algorithm"], "wagma S=2 tau=10");
+    let blocking = sim(&["--algo", "wagma", "--group-size", "2", "--blocking"]);
+    assert_eq!(blocking["algorithm"], "wagma S=2 tau=10 blocking");
+    assert!(blocking["samples_per_s"].as_f64() < small["samples_per_s"].as_f64());
+    let h4 = sim(&["--algo", "local-sgd", "--period", "4"]);
+    assert_eq!(h4["algorithm"], "local-sgd H=4");
     // Chained pieces: the label says so, and the bound waits for them too (every rank within
     // 4 hops), so it is below the bound of one exchange.
     let one = sim(&["--algo", "d-psgd"]);

@@ -7,7 +7,7 @@
 //! `2(n-1)/n` buffers for an allreduce of n members (one per neighbour for the exchange), so
 //! that it compares with a link's speed whatever n is.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use clap::Args as ClapArgs;
@@ -214,26 +214,55 @@ fn memcpy_gb_per_s(n: usize, reps: usize) -> f64 {
 }
 
 /// `streams` TCP connections on loopback, each with a thread writing the buffer `reps + 1`
-/// times and one reading it into a buffer of its own: the median over the rounds after the
-/// first of the time from the last stream delivering one copy to the last delivering the next,
-/// as a rate per stream.
+/// times and one reading it into a buffer of its own; the writers start each copy together.
+/// The median over the rounds after the first of the time from the last stream delivering one
+/// copy to the last delivering the next, as a rate per stream.
 fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Result<f64> {
     use std::io::{Read, Write};
+    use std::sync::{Arc, Barrier};
+    const PATIENCE: Duration = Duration::from_secs(60);
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
+    listener.set_nonblocking(true)?;
+    let round = Arc::new(Barrier::new(streams));
     let mut writers = Vec::with_capacity(streams);
     let mut readers = Vec::with_capacity(streams);
     for _ in 0..streams {
+        let round = Arc::clone(&round);
         writers.push(std::thread::spawn(move || -> std::io::Result<()> {
             let src = vec![1u8; bytes];
-            let mut s = std::net::TcpStream::connect(addr)?;
-            s.set_nodelay(true)?;
-            for _ in 0..=reps {
-                s.write_all(&src)?;
+            let mut s = std::net::TcpStream::connect_timeout(&addr, PATIENCE);
+            if let Ok(s) = &s {
+                s.set_nodelay(true)?;
+                s.set_write_timeout(Some(PATIENCE))?;
             }
-            Ok(())
+            // Every writer meets the others before every copy, even after a failure of its
+            // own, so that none waits for a writer that gave up.
+            for _ in 0..=reps {
+                round.wait();
+                if let Ok(st) = &mut s
+                    && let Err(e) = st.write_all(&src)
+                {
+                    s = Err(e);
+                }
+            }
+            s.map(|_| ())
         }));
-        let (mut s, _) = listener.accept()?;
+        let deadline = Instant::now() + PATIENCE;
+        let mut s = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        bail!("no loopback connection within {PATIENCE:?}");
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        s.set_nonblocking(false)?;
+        s.set_read_timeout(Some(PATIENCE))?;
         readers.push(std::thread::spawn(
             move || -> std::io::Result<Vec<Instant>> {
                 let mut dst = vec![0u8; bytes];

@@ -43,9 +43,12 @@ fn finish_times(algo: &AlgoConfig, draws: &[Vec<f64>]) -> Vec<f64> {
     // at the peers it receives from: `waits_on(r)` are those peers for one piece.
     let pieces = algo.exchange_pieces.max(1);
     let exchange = |a: Vec<f64>, waits_on: &dyn Fn(usize) -> Vec<usize>| {
+        let peers: Vec<Vec<usize>> = (0..p).map(waits_on).collect();
         (0..pieces).fold(a, |e, _| {
-            (0..p)
-                .map(|r| waits_on(r).iter().map(|&m| e[m]).fold(e[r], f64::max))
+            peers
+                .iter()
+                .enumerate()
+                .map(|(r, w)| w.iter().map(|&m| e[m]).fold(e[r], f64::max))
                 .collect()
         })
     };
