@@ -108,10 +108,6 @@ mod tests {
     use super::*;
     use crate::imbalance::{Imbalance, Profile};
 
-    fn cfg(algorithm: Algorithm) -> AlgoConfig {
-        AlgoConfig::new(algorithm)
-    }
-
     #[test]
     fn reference_figures() {
         // Compute c, two of 16 ranks delayed by 0.71c per step, tau = 10: WAGMA's bound is about
@@ -122,8 +118,11 @@ mod tests {
             seed: 3,
         };
         let draws = im.table(2000, 16);
-        let wagma = bound_wall(&cfg(Algorithm::Wagma(WagmaOptions::default())), &draws);
-        let ar = bound_wall(&cfg(Algorithm::AllreduceSgd), &draws);
+        let wagma = bound_wall(
+            &AlgoConfig::new(Algorithm::Wagma(WagmaOptions::default())),
+            &draws,
+        );
+        let ar = bound_wall(&AlgoConfig::new(Algorithm::AllreduceSgd), &draws);
         let ideal = ideal_wall(&draws);
         let speedup = ar / wagma;
         let of_ideal = ideal / wagma;
@@ -131,9 +130,12 @@ mod tests {
         assert!((of_ideal - 0.88).abs() < 0.03, "{of_ideal}");
         // Free communication and no waiting: AD-PSGD and solo eager-SGD without syncs reach
         // the ideal; every rule waits at least as long as no rule.
-        assert_eq!(bound_wall(&cfg(Algorithm::AdPsgd), &draws), ideal);
+        assert_eq!(
+            bound_wall(&AlgoConfig::new(Algorithm::AdPsgd), &draws),
+            ideal
+        );
         for name in Algorithm::NAMES {
-            let a = cfg(Algorithm::from_name(name).unwrap());
+            let a = AlgoConfig::new(Algorithm::from_name(name).unwrap());
             assert!(bound_wall(&a, &draws) >= ideal - 1e-9, "{name}");
             assert!(bound_wall(&a, &draws) <= ar + 1e-9, "{name}");
         }
@@ -152,7 +154,7 @@ mod tests {
             (0..p).filter(|&r| f[r] > 5.0).collect()
         };
         for k in [1u32, 2, 4] {
-            let mut d = cfg(Algorithm::DPsgd);
+            let mut d = AlgoConfig::new(Algorithm::DPsgd);
             d.exchange_pieces = k;
             let k = k as usize;
             let mut hops: Vec<usize> = (0..=k).chain(p - k..p).collect();
@@ -164,7 +166,7 @@ mod tests {
             assert_eq!(delayed(&d), window, "right-then-left, {k} pieces");
         }
         // SGP: each piece waits for that iteration's in-peers (offsets 1 and 2 at t = 0).
-        let mut sgp = cfg(Algorithm::Sgp {
+        let mut sgp = AlgoConfig::new(Algorithm::Sgp {
             peers: 2,
             offsets: crate::topology::PeerOffsets::Disjoint,
         });
