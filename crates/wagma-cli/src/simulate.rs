@@ -81,7 +81,7 @@ pub struct Common {
     #[arg(long, default_value_t = SendOrder::Together)]
     #[serde(default)]
     pub send_order: SendOrder,
-    /// SGP's offsets and eager-SGD's late gradients.
+    /// SGP's offsets, eager-SGD's late gradients and AD-PSGD's gossip.
     #[command(flatten)]
     #[serde(flatten)]
     pub variants: Variants,
@@ -117,12 +117,17 @@ pub struct Variants {
     #[arg(long, default_value_t = LateGradients::Accumulate)]
     #[serde(default)]
     pub late_gradients: LateGradients,
+    /// AD-PSGD: the authors' gossip loop, K pairwise averages per step run by the engine
+    /// while the step never waits (absent: one awaited pairwise average per step).
+    #[arg(long, value_name = "K")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ad_psgd_gossip: Option<u32>,
 }
 
 impl Variants {
     /// Sets them on `algorithm` (where they apply).
     pub fn apply(&self, algorithm: &mut Algorithm) {
-        algorithm.set_variants(self.sgp_offsets, self.late_gradients);
+        algorithm.set_variants(self.sgp_offsets, self.late_gradients, self.ad_psgd_gossip);
     }
 }
 

@@ -77,6 +77,10 @@ pub struct Args {
     /// authors' code).
     #[arg(long)]
     pub late_gradients: Option<LateGradients>,
+    /// ad-psgd: the authors' gossip loop, K pairwise averages per step run by the engine
+    /// while the step never waits (absent: one awaited pairwise average per step).
+    #[arg(long, value_name = "K")]
+    pub ad_psgd_gossip: Option<u32>,
     /// Average BatchNorm statistics with the parameters.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub average_buffers: Option<bool>,
@@ -439,6 +443,7 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
     alg.set_variants(
         a.sgp_offsets.unwrap_or_default(),
         a.late_gradients.unwrap_or_default(),
+        a.ad_psgd_gossip,
     );
     Ok(alg)
 }

@@ -363,7 +363,7 @@ fn bad_train_input_fails_cleanly_without_touching_earlier_outputs() {
 }
 
 #[test]
-fn simulate_runs_the_authors_variants_of_sgp_and_eager_sgd() {
+fn simulate_runs_the_authors_variants_of_the_baselines() {
     let sim = |extra: &[&str]| {
         ok_json(
             &wagma()
@@ -406,6 +406,12 @@ fn simulate_runs_the_authors_variants_of_sgp_and_eager_sgd() {
     assert_eq!(pieces["algorithm"], "d-psgd pieces=4");
     assert!(pieces["bound_samples_per_s"].as_f64() < one["bound_samples_per_s"].as_f64());
     assert!(pieces["samples_per_s"].as_f64() <= pieces["bound_samples_per_s"].as_f64());
+    // AD-PSGD's gossip loop: the step never waits for the passive peer's reply.
+    let awaited = sim(&["--algo", "ad-psgd"]);
+    let gossip = sim(&["--algo", "ad-psgd", "--ad-psgd-gossip", "2"]);
+    assert_eq!(awaited["algorithm"], "ad-psgd");
+    assert_eq!(gossip["algorithm"], "ad-psgd gossip=2");
+    assert!(gossip["samples_per_s"].as_f64() > awaited["samples_per_s"].as_f64());
 }
 
 #[test]

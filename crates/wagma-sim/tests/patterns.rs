@@ -13,6 +13,7 @@ use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
 use wagma::exec::threaded;
 use wagma::exec::virtual_time::NetworkModel;
 use wagma::imbalance::{Imbalance, Profile};
+use wagma::topology::{PairRole, Pairing};
 use wagma::transport::{Envelope, Kind, Transport, mem};
 use wagma::{Comm, EngineConfig, Rank};
 use wagma_sim::compute::Compute;
@@ -192,12 +193,61 @@ proptest! {
             // data-less messages are far smaller than any model slice.
             let min = threaded.iter().flatten().map(|&(_, b)| b).min().unwrap_or(0);
             let simulated = data_only(simulated_pattern(&sized, p, seed), min);
-            if matches!(algo, Algorithm::AdPsgd) {
+            if matches!(algo, Algorithm::AdPsgd { .. }) {
                 prop_assert_eq!(per_link(&threaded), per_link(&simulated), "{} on P = {}", algo.label(), p);
             } else {
                 prop_assert_eq!(&threaded, &simulated, "{} on P = {}", algo.label(), p);
             }
             prop_assert!(threaded.iter().any(|r| !r.is_empty()), "{} sent nothing", algo.label());
+        }
+    }
+}
+
+/// AD-PSGD's gossip loop runs as many of its exchanges as the time between steps allows, so
+/// how many there are depends on the executor's speed; whom each one goes to does not. In both
+/// executors every active rank's model messages follow [`Pairing::gossip_peer`] from the first
+/// exchange on. In virtual time, where an exchange is far shorter than a step, the whole budget
+/// runs after every step but the last, whose budget the closing collective ends after the
+/// exchange in flight.
+#[test]
+fn gossip_exchanges_follow_the_peer_sequence_in_both_executors() {
+    let (k, steps, len, seed) = (2u32, 7u64, 256, 3);
+    for p in [2usize, 5, 8] {
+        let algo = Algorithm::AdPsgd { gossip: Some(k) };
+        let pairing = Pairing::new(p).unwrap();
+        let runs = [
+            (
+                "threaded",
+                threaded_pattern(&spec(&algo, p, steps, len, seed, true), p),
+            ),
+            (
+                "simulated",
+                simulated_pattern(&spec(&algo, p, steps, len, seed, false), p, seed),
+            ),
+        ];
+        for (executor, pattern) in runs {
+            let model = pattern.iter().flatten().map(|m| m.1).max().unwrap();
+            for (r, sent) in pattern.iter().enumerate() {
+                if pairing.role(r) != PairRole::Active {
+                    continue;
+                }
+                let to: Vec<Rank> = sent.iter().filter(|m| m.1 == model).map(|m| m.0).collect();
+                let expected: Vec<Rank> = (0..to.len() as u64)
+                    .map(|n| pairing.gossip_peer(r, n).unwrap())
+                    .collect();
+                assert_eq!(to, expected, "{executor}, P = {p}, rank {r}");
+                assert!(
+                    !to.is_empty(),
+                    "{executor}, P = {p}, rank {r} never gossiped"
+                );
+                if executor == "simulated" {
+                    assert_eq!(
+                        to.len() as u64,
+                        u64::from(k) * (steps - 1) + 1,
+                        "P = {p}, rank {r}"
+                    );
+                }
+            }
         }
     }
 }

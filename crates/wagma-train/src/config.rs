@@ -247,6 +247,12 @@ impl TrainConfig {
                 "elastic continuation needs d-psgd's sends together, not right-then-left".into(),
             ));
         }
+        if self.elastic && matches!(self.algo.algorithm, Algorithm::AdPsgd { gossip: Some(_) }) {
+            // An exchange of the gossip loop to a lost peer would stop the loop for good.
+            return Err(TrainError::Config(
+                "elastic continuation needs the canonical ad-psgd, not its gossip loop".into(),
+            ));
+        }
         if self.rejoin {
             if !self.elastic || self.execution != Execution::Tcp {
                 return Err(TrainError::Config(
@@ -338,7 +344,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn elastic_d_psgd_sends_to_both_neighbours_together() {
+    fn elastic_runs_refuse_what_continuation_cannot_finish() {
         let algo = |send_order| AlgoConfig {
             send_order,
             ..AlgoConfig::new(Algorithm::DPsgd)
@@ -353,6 +359,15 @@ mod tests {
         assert!(matches!(
             run(true, SendOrder::RightThenLeft).validate(),
             Err(TrainError::Config(m)) if m.contains("right-then-left")
+        ));
+        let gossip = TrainConfig {
+            elastic: true,
+            algo: AlgoConfig::new(Algorithm::AdPsgd { gossip: Some(2) }),
+            ..TrainConfig::default()
+        };
+        assert!(matches!(
+            gossip.validate(),
+            Err(TrainError::Config(m)) if m.contains("gossip")
         ));
     }
 

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wagma::algo::{
     AlgoConfig, Algorithm, CombineRule, EagerMode, LateGradients, LrSchedule, OptimizerConfig,
-    Order, Scope, StepReport, WagmaOptions, Worker,
+    Order, Resume, Scope, StepReport, WagmaOptions, Worker,
 };
 use wagma::exec::{JobResult, threaded, virtual_time};
 use wagma::imbalance::{Imbalance, Profile};
@@ -286,6 +286,7 @@ fn all_algorithms() -> Vec<Algorithm> {
             late: LateGradients::Drop,
         });
     }
+    v.push(Algorithm::AdPsgd { gossip: Some(2) });
     v.push(Algorithm::LocalSgd { period: 4 });
     v.push(Algorithm::Wagma(WagmaOptions {
         combine: CombineRule::Damped,
@@ -468,6 +469,124 @@ fn a_replay_with_the_same_seed_gives_identical_models() {
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(bits(&x.replica), bits(&y.replica));
         assert_eq!(x.reports, y.reports);
+    }
+}
+
+/// Per rank after `steps` zero-gradient steps from the model `[rank; 3]` (with a checkpoint
+/// quiesce half-way): the replica, each step's wait, and the gossip exchanges its engine ran.
+fn ad_psgd_without_gradients(
+    gossip: Option<u32>,
+    p: usize,
+    steps: u64,
+) -> Vec<(Vec<f32>, Vec<f64>, u64)> {
+    let algo = AlgoConfig::new(Algorithm::AdPsgd { gossip });
+    let task = async |c: &mut wagma::Comm| -> Result<_, Error> {
+        let start = Payload::Data(vec![c.rank() as f32; 3]);
+        let mut w = Worker::external(
+            c,
+            algo.clone(),
+            start,
+            Payload::default(),
+            Resume::default(),
+        )
+        .await?;
+        let mut waits = Vec::new();
+        for t in 0..steps {
+            w.comm().compute(Duration::from_millis(1 + t % 3)).await;
+            waits.push(w.step_external(&[], &mut |_, _| {}).await?.waited_s);
+            if t == steps / 2 {
+                w.quiesce().await?;
+            }
+        }
+        let replica = w.params().to_vec();
+        w.comm().barrier().await?;
+        let exchanges = w.comm().engine_stats().await?.gossip_exchanges;
+        Ok((replica, waits, exchanges))
+    };
+    let cfg = virtual_time::VirtualConfig {
+        seed: 4,
+        network: Box::new(virtual_time::JitterNetwork::default()),
+    };
+    virtual_time::run(p, EngineConfig::default(), cfg, task)
+        .unwrap()
+        .into_all()
+        .unwrap()
+}
+
+#[test]
+fn ad_psgd_gossip_never_waits_and_mixes_every_replica_to_the_mean() {
+    let (p, steps, k) = (6, 80, 2);
+    let mean = (p - 1) as f32 / 2.0;
+    let gossip = ad_psgd_without_gradients(Some(k), p, steps);
+    let pairing = wagma::topology::Pairing::new(p).unwrap();
+    for (r, (replica, waits, exchanges)) in gossip.iter().enumerate() {
+        // Mixing and the pairwise averages keep the sum of models and shared copies: the
+        // replicas meet at the mean of the initial models.
+        for x in replica {
+            assert!((x - mean).abs() < 1e-3, "rank {r} ended at {replica:?}");
+        }
+        assert!(
+            waits.iter().all(|&w| w == 0.0),
+            "rank {r} waited: {waits:?}"
+        );
+        // An exchange is far shorter than a step, so each step's budget runs in full except
+        // before the quiesce and at the end, where a blocking collective ends it after the
+        // exchange in flight.
+        let want = match pairing.role(r) {
+            wagma::topology::PairRole::Active => u64::from(k) * (steps - 2) + 2,
+            wagma::topology::PairRole::Passive => 0,
+        };
+        assert_eq!(*exchanges, want, "rank {r}");
+    }
+    // The canonical rule makes every active rank wait for its passive peer's reply.
+    let canonical = ad_psgd_without_gradients(None, p, steps);
+    for (r, (replica, waits, _)) in canonical.iter().enumerate() {
+        for x in replica {
+            assert!((x - mean).abs() < 1e-2, "rank {r} ended at {replica:?}");
+        }
+        let waited = waits.iter().filter(|&&w| w > 0.0).count();
+        match pairing.role(r) {
+            wagma::topology::PairRole::Active => assert_eq!(waited, steps as usize, "rank {r}"),
+            wagma::topology::PairRole::Passive => assert_eq!(waited, 0, "rank {r}"),
+        }
+    }
+    // Deterministic: the same run again gives the same bits.
+    let again = ad_psgd_without_gradients(Some(k), p, steps);
+    for (a, b) in gossip.iter().zip(&again) {
+        assert_eq!(bits(&a.0), bits(&b.0));
+        assert_eq!(a.2, b.2);
+    }
+}
+
+#[test]
+fn ad_psgd_gossip_refuses_elastic_runs_and_empty_budgets() {
+    assert!(matches!(
+        AlgoConfig::new(Algorithm::AdPsgd { gossip: Some(0) }).validate(4),
+        Err(ConfigError::Invalid { .. })
+    ));
+    let elastic = EngineConfig {
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let algo = AlgoConfig::new(Algorithm::AdPsgd { gossip: Some(1) });
+    let job = threaded::run(2, elastic, async |c: &mut wagma::Comm| {
+        let start = Payload::Data(vec![0.0; 2]);
+        Worker::new(c, algo.clone(), momentum_sgd(), start, Payload::default())
+            .await
+            .map(drop)
+    })
+    .unwrap();
+    for r in job.ranks {
+        assert!(
+            matches!(
+                r,
+                Err(Error::Config(ConfigError::Invalid {
+                    what: "ad-psgd gossip",
+                    ..
+                }))
+            ),
+            "{r:?}"
+        );
     }
 }
 

@@ -130,10 +130,10 @@ mod tests {
         assert!((of_ideal - 0.88).abs() < 0.03, "{of_ideal}");
         // Free communication and no waiting: AD-PSGD and solo eager-SGD without syncs reach
         // the ideal; every rule waits at least as long as no rule.
-        assert_eq!(
-            bound_wall(&AlgoConfig::new(Algorithm::AdPsgd), &draws),
-            ideal
-        );
+        for gossip in [None, Some(2)] {
+            let ad = AlgoConfig::new(Algorithm::AdPsgd { gossip });
+            assert_eq!(bound_wall(&ad, &draws), ideal);
+        }
         for name in Algorithm::NAMES {
             let a = AlgoConfig::new(Algorithm::from_name(name).unwrap());
             assert!(bound_wall(&a, &draws) >= ideal - 1e-9, "{name}");

@@ -155,7 +155,15 @@ pub enum Algorithm {
     /// Average with the two ring neighbours (1/3 each) every step.
     DPsgd,
     /// Asynchronous pairwise averaging between active and passive ranks.
-    AdPsgd,
+    AdPsgd {
+        /// `None`: the AD-PSGD paper's rule, one pairwise average per active step, whose
+        /// reply the active rank awaits. `Some(k)`: the WAGMA-SGD authors' baseline, a gossip
+        /// loop in each active rank's engine that runs `k` pairwise averages of a shared copy
+        /// after every step (alternately with a forward and a backward peer), while the step
+        /// only mixes with the copy and never waits.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gossip: Option<u32>,
+    },
     /// Push-sum over the time-varying directed exponential graph.
     Sgp {
         /// Out-neighbours per iteration.
@@ -197,7 +205,7 @@ impl Algorithm {
             "allreduce-sgd" | "allreduce" => Algorithm::AllreduceSgd,
             "local-sgd" => Algorithm::LocalSgd { period: 1 },
             "d-psgd" | "dpsgd" => Algorithm::DPsgd,
-            "ad-psgd" | "adpsgd" => Algorithm::AdPsgd,
+            "ad-psgd" | "adpsgd" => Algorithm::AdPsgd { gossip: None },
             "sgp" => Algorithm::Sgp {
                 peers: 1,
                 offsets: PeerOffsets::Disjoint,
@@ -247,7 +255,8 @@ impl Algorithm {
             Algorithm::AllreduceSgd => "allreduce-sgd".into(),
             Algorithm::LocalSgd { period } => format!("local-sgd H={period}"),
             Algorithm::DPsgd => "d-psgd".into(),
-            Algorithm::AdPsgd => "ad-psgd".into(),
+            Algorithm::AdPsgd { gossip: None } => "ad-psgd".into(),
+            Algorithm::AdPsgd { gossip: Some(k) } => format!("ad-psgd gossip={k}"),
             Algorithm::Sgp { peers, offsets } => match offsets {
                 PeerOffsets::Disjoint => format!("sgp {peers}n"),
                 PeerOffsets::Sliding => format!("sgp {peers}n sliding"),
@@ -274,12 +283,18 @@ impl Algorithm {
         }
     }
 
-    /// Sets SGP's peer offsets and eager-SGD's treatment of late gradients; the other
-    /// algorithms have neither and are left as they are.
-    pub fn set_variants(&mut self, sgp_offsets: PeerOffsets, late_gradients: LateGradients) {
+    /// Sets SGP's peer offsets, eager-SGD's treatment of late gradients and AD-PSGD's gossip
+    /// exchanges; the other algorithms have none of them and are left as they are.
+    pub fn set_variants(
+        &mut self,
+        sgp_offsets: PeerOffsets,
+        late_gradients: LateGradients,
+        ad_psgd_gossip: Option<u32>,
+    ) {
         match self {
             Algorithm::Sgp { offsets, .. } => *offsets = sgp_offsets,
             Algorithm::EagerSgd { late, .. } => *late = late_gradients,
+            Algorithm::AdPsgd { gossip } => *gossip = ad_psgd_gossip,
             _ => {}
         }
     }
@@ -321,6 +336,12 @@ impl Algorithm {
                 sync_period: Some(0),
                 ..
             } => return Err(ConfigError::ZeroSyncPeriod),
+            Algorithm::AdPsgd { gossip: Some(0) } => {
+                return Err(ConfigError::Invalid {
+                    what: "ad-psgd gossip",
+                    detail: "a gossip loop needs at least one exchange per step".into(),
+                });
+            }
             _ => {}
         }
         Ok(())
@@ -491,11 +512,25 @@ mod tests {
         }
         assert!("keep".parse::<LateGradients>().is_err());
         let mut eager = Algorithm::from_name("eager-sgd-majority").unwrap();
-        eager.set_variants(PeerOffsets::Sliding, LateGradients::Drop);
+        eager.set_variants(PeerOffsets::Sliding, LateGradients::Drop, Some(2));
         assert_eq!(eager.label(), "eager-sgd majority sync=32 drop-late");
         let mut sgp = Algorithm::from_name("sgp").unwrap();
-        sgp.set_variants(PeerOffsets::Sliding, LateGradients::Drop);
+        sgp.set_variants(PeerOffsets::Sliding, LateGradients::Drop, Some(2));
         assert_eq!(sgp.label(), "sgp 1n sliding");
+        let mut ad = Algorithm::from_name("ad-psgd").unwrap();
+        ad.set_variants(PeerOffsets::Sliding, LateGradients::Drop, Some(2));
+        assert_eq!(ad.label(), "ad-psgd gossip=2");
+        assert!(matches!(
+            Algorithm::AdPsgd { gossip: Some(0) }.validate(4),
+            Err(ConfigError::Invalid { .. })
+        ));
+        // Configurations written before the gossip variant existed read as the canonical one.
+        let old: Algorithm = serde_json::from_str(r#"{"name":"ad-psgd"}"#).unwrap();
+        assert_eq!(old, Algorithm::AdPsgd { gossip: None });
+        assert_eq!(
+            serde_json::to_string(&old).unwrap(),
+            r#"{"name":"ad-psgd"}"#
+        );
         let mut d = AlgoConfig::new(Algorithm::DPsgd);
         assert_eq!(d.label(), "d-psgd");
         d.exchange_pieces = 161;

@@ -10,7 +10,7 @@ use super::config::{
 use super::optim::{LocalOptimizer, OptimizerConfig};
 use crate::Rank;
 use crate::engine::{ContributionMode, ReadMode, RoundKind, RoundResult, StreamConfig, Trigger};
-use crate::error::{Error, Op};
+use crate::error::{ConfigError, Error, Op};
 use crate::exec::{Comm, Exchanged};
 use crate::payload::{Payload, pool};
 use crate::schedule::chunk;
@@ -323,7 +323,7 @@ impl<'c> Worker<'c> {
         };
         let rank = comm.rank();
         let role = match &cfg.algorithm {
-            Algorithm::AdPsgd => Role::Pair(Pairing::new(p)?),
+            Algorithm::AdPsgd { .. } => Role::Pair(Pairing::new(p)?),
             Algorithm::Sgp { peers, offsets } if p > 1 => Role::PushSum {
                 graph: ExponentialGraph::with_offsets(p, *peers, *offsets)?,
                 weight: resume.weight.unwrap_or(1.0),
@@ -385,7 +385,18 @@ impl<'c> Worker<'c> {
                     })
                     .await?;
             }
-            Algorithm::AdPsgd => {
+            Algorithm::AdPsgd { gossip: Some(k) } if p > 1 => {
+                if w.comm.config().elastic {
+                    // A gossip exchange to a lost peer would stop the loop for good.
+                    return Err(Error::Config(ConfigError::Invalid {
+                        what: "ad-psgd gossip",
+                        detail: "elastic continuation needs the canonical ad-psgd".into(),
+                    }));
+                }
+                let initial = w.state.pack(w.cfg.scope);
+                w.comm.open_gossip(initial, k).await?;
+            }
+            Algorithm::AdPsgd { gossip: None } => {
                 if let Role::Pair(pairing) = &w.role
                     && pairing.role(rank) == PairRole::Passive
                 {
@@ -447,7 +458,17 @@ impl<'c> Worker<'c> {
     /// instant ([`Comm::align`]).
     pub async fn quiesce(&mut self) -> Result<(), Error> {
         self.comm.barrier().await?;
-        if let Role::Pair(pairing) = &self.role
+        let gossips = matches!(self.cfg.algorithm, Algorithm::AdPsgd { gossip: Some(_) });
+        if gossips && self.comm.size() > 1 {
+            // The barrier ended every gossip loop: fold the shared copy in without starting
+            // another, so that the model alone is the state (a resumed run starts its copy
+            // from it).
+            let scope = self.cfg.scope;
+            let own = self.state.pack(scope);
+            let mixed = self.comm.gossip_mix(own, false).await?;
+            self.state.mix(scope, &mixed, 1.0, false);
+            mixed.recycle();
+        } else if let Role::Pair(pairing) = &self.role
             && pairing.role(self.comm.rank()) == PairRole::Passive
             && self.comm.size() > 1
         {
@@ -657,7 +678,13 @@ impl<'c> Worker<'c> {
                 self.state.mix(scope, &e.data, 1.0 / n as f32, false);
                 e.data.recycle();
             }
-            Algorithm::AdPsgd => {
+            Algorithm::AdPsgd { gossip: Some(_) } if p > 1 => {
+                let own = self.state.pack(scope);
+                let mixed = self.comm.gossip_mix(own, true).await?;
+                self.state.mix(scope, &mixed, 1.0, false);
+                mixed.recycle();
+            }
+            Algorithm::AdPsgd { .. } => {
                 let rank = self.comm.rank();
                 let own = self.state.pack(scope);
                 if let Role::Pair(pairing) = &self.role {

@@ -9,6 +9,7 @@
 //! of the published model, results kept until read, global sync rounds, timeouts.
 
 mod buffer;
+mod gossip;
 mod join;
 mod liveness;
 mod passive;
@@ -132,6 +133,24 @@ pub enum Request {
         /// Model after the local step.
         data: Payload,
     },
+    /// Take part in the WAGMA-SGD authors' AD-PSGD gossip ([`crate::topology::Pairing`] says
+    /// who is active): keep `initial` as the shared copy; an active rank's engine runs
+    /// `exchanges` pairwise averages of it after each mix.
+    OpenGossip {
+        /// The initial model.
+        initial: Payload,
+        /// Exchanges per mix (active ranks).
+        exchanges: u32,
+    },
+    /// Gossip: mix the model after a local step with the shared copy; answered with
+    /// `(data + shared) / 2`, which also becomes the shared copy. With `start`, an active
+    /// rank's engine then runs its exchanges.
+    GossipMix {
+        /// Model after the local step.
+        data: Payload,
+        /// Start the exchanges (off to only fold the copy in, as before a checkpoint).
+        start: bool,
+    },
     /// Rejoining: announce to every peer that this process has taken over its rank (see
     /// [`crate::exec::Comm::announce_rejoin`] for the whole protocol).
     Announce,
@@ -179,6 +198,8 @@ pub enum Response {
     },
     /// Corrections applied by a passive engine since the last publish.
     Delta(Payload),
+    /// A gossip mix.
+    Mixed(Payload),
     /// Counters.
     Stats(EngineStats),
     /// Timeline events.
@@ -225,6 +246,9 @@ pub struct EngineStats {
     pub passive_rounds: u64,
     /// Global sync rounds executed.
     pub syncs: u64,
+    /// Gossip exchanges this rank's engine completed (AD-PSGD's gossip variant, active ranks).
+    #[serde(default)]
+    pub gossip_exchanges: u64,
     /// Peers declared dead (elastic mode), in rank order.
     #[serde(default)]
     pub dead: Vec<Rank>,
@@ -248,6 +272,7 @@ pub struct Engine {
     activations_sent: BTreeMap<u64, u64>,
     early_activations: Vec<(u64, u64)>,
     passive: Option<Passive>,
+    gossip: Option<gossip::Gossip>,
     early_pairs: Vec<Envelope>,
     outstanding: BTreeMap<ReqId, Op>,
     departed: Vec<bool>,
@@ -286,6 +311,7 @@ impl Engine {
             activations_sent: BTreeMap::new(),
             early_activations: Vec::new(),
             passive: None,
+            gossip: None,
             early_pairs: Vec::new(),
             outstanding: BTreeMap::new(),
             departed: vec![false; ranks],
@@ -351,42 +377,25 @@ impl Engine {
                 weight,
                 steps,
             } => {
-                self.iteration = self.iteration.max(steps);
-                let op = Op::Collective {
-                    kind: kind.name(),
+                let run = gossip::HeldRun {
+                    id,
+                    kind,
                     seq,
+                    schedule,
+                    data,
+                    weight,
+                    steps,
                 };
-                if data.len() != schedule.len {
-                    Err(Error::Protocol {
-                        rank: self.rank,
-                        op,
-                        detail: format!(
-                            "buffer of {} elements for a schedule over {}",
-                            data.len(),
-                            schedule.len
-                        ),
-                    })
-                } else {
-                    self.outstanding.insert(id, op.clone());
-                    let contributions = vec![Contribution {
-                        rank: self.rank,
-                        steps,
-                    }];
-                    // A collective's schedule is the caller's: its group is at most the job.
-                    self.start(
-                        now,
-                        run::Members::Job(self.ranks),
-                        Owner::Request(id),
-                        op,
-                        kind,
-                        seq,
-                        schedule,
-                        data,
-                        weight,
-                        contributions,
-                    );
-                    self.settle(now, out);
-                    return;
+                let run = match self.gossip.as_mut() {
+                    Some(g) => g.hold(run),
+                    None => Some(run),
+                };
+                match run.map(|run| self.begin_run(now, run)) {
+                    Some(Err(e)) => Err(e),
+                    _ => {
+                        self.settle(now, out);
+                        return;
+                    }
                 }
             }
             Request::OpenPassive { initial } => {
@@ -396,14 +405,41 @@ impl Engine {
                 }
                 Ok(Response::Done)
             }
-            Request::PassivePublish { data } => match &mut self.passive {
-                Some(p) => Ok(Response::Delta(p.publish(data))),
-                None => Err(Error::Protocol {
-                    rank: self.rank,
-                    op: Op::Other("passive publish"),
-                    detail: "the rank is not passive (open it first)".into(),
-                }),
-            },
+            Request::PassivePublish { data } => {
+                match self.passive.as_mut().and_then(|p| p.publish(data)) {
+                    Some(delta) => Ok(Response::Delta(delta)),
+                    None => Err(Error::Protocol {
+                        rank: self.rank,
+                        op: Op::Other("passive publish"),
+                        detail: "the rank is not a passive AD-PSGD rank (open it first)".into(),
+                    }),
+                }
+            }
+            Request::OpenGossip { initial, exchanges } => {
+                match crate::topology::Pairing::new(self.ranks) {
+                    Ok(pairing) => {
+                        if pairing.role(self.rank) == crate::topology::PairRole::Active {
+                            self.gossip = Some(gossip::Gossip::new(initial, pairing, exchanges));
+                        } else {
+                            self.passive = Some(Passive::gossip(initial));
+                            for env in std::mem::take(&mut self.early_pairs) {
+                                self.on_pair_request(env, out);
+                            }
+                        }
+                        Ok(Response::Done)
+                    }
+                    Err(e) => Err(Error::Config(e)),
+                }
+            }
+            Request::GossipMix { data, start } => {
+                let mixed = self.gossip_mix(now, data, start).map(Response::Mixed);
+                if mixed.is_ok() {
+                    out.push(Action::Complete { id, result: mixed });
+                    self.settle(now, out);
+                    return;
+                }
+                mixed
+            }
             Request::Announce => {
                 self.announce(out);
                 Ok(Response::Done)
@@ -854,6 +890,54 @@ impl Engine {
     }
 
     /// Starts `schedule`, a sum over `members` (the ranks a peer's contribution list may name).
+    /// Starts a blocking collective of the compute side (without advancing it).
+    fn begin_run(&mut self, now: Time, run: gossip::HeldRun) -> Result<(), Error> {
+        let gossip::HeldRun {
+            id,
+            kind,
+            seq,
+            schedule,
+            data,
+            weight,
+            steps,
+        } = run;
+        self.iteration = self.iteration.max(steps);
+        let op = Op::Collective {
+            kind: kind.name(),
+            seq,
+        };
+        if data.len() != schedule.len {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                op,
+                detail: format!(
+                    "buffer of {} elements for a schedule over {}",
+                    data.len(),
+                    schedule.len
+                ),
+            });
+        }
+        self.outstanding.insert(id, op.clone());
+        let contributions = vec![Contribution {
+            rank: self.rank,
+            steps,
+        }];
+        // A collective's schedule is the caller's: its group is at most the job.
+        self.start(
+            now,
+            run::Members::Job(self.ranks),
+            Owner::Request(id),
+            op,
+            kind,
+            seq,
+            schedule,
+            data,
+            weight,
+            contributions,
+        );
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,
@@ -968,6 +1052,7 @@ impl Engine {
             Owner::Stream { epoch, round } => {
                 self.on_round_done(now, epoch, round, data, contributions, out)
             }
+            Owner::Gossip => self.on_gossip_done(now, data, out),
         }
     }
 }

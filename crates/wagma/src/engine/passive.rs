@@ -5,38 +5,57 @@ use super::{Action, Engine};
 use crate::payload::Payload;
 use crate::transport::{Envelope, Meta, Tag};
 
-/// The live model of a passive rank and the corrections made to it since the last publish.
+/// The live model of a passive rank and, in the canonical AD-PSGD, the corrections made to it
+/// since the last publish (the gossip variant's compute side mixes with the live model
+/// instead, see [`super::gossip`]).
 pub(super) struct Passive {
     live: Payload,
-    delta: Payload,
+    delta: Option<Payload>,
 }
 
 impl Passive {
+    /// The canonical AD-PSGD: the compute side publishes and takes the corrections.
     pub fn new(initial: Payload) -> Passive {
         let delta = Payload::zeros_like(&initial, initial.len());
         Passive {
             live: initial,
-            delta,
+            delta: Some(delta),
         }
+    }
+
+    /// The gossip variant: the live model is the shared copy the compute side mixes with.
+    pub fn gossip(initial: Payload) -> Passive {
+        Passive {
+            live: initial,
+            delta: None,
+        }
+    }
+
+    /// The shared copy, in the gossip variant.
+    pub fn gossip_copy(&mut self) -> Option<&mut Payload> {
+        self.delta.is_none().then_some(&mut self.live)
     }
 
     /// The compute side publishes its model after a local step; it gets back the corrections
     /// made since its last publish and must add them to its model (the engine's live model is
-    /// the published one plus those corrections).
-    pub fn publish(&mut self, data: Payload) -> Payload {
+    /// the published one plus those corrections). `None` in the gossip variant.
+    pub fn publish(&mut self, data: Payload) -> Option<Payload> {
+        let delta = self.delta.as_mut()?;
         let zeros = Payload::zeros_like(&data, data.len());
-        let delta = std::mem::replace(&mut self.delta, zeros);
+        let delta = std::mem::replace(delta, zeros);
         self.live = data;
         self.live.add(&delta);
-        delta
+        Some(delta)
     }
 
     /// Averages `theirs` into the live model and returns the pair's average.
     fn average(&mut self, mut theirs: Payload) -> Payload {
         theirs.add(&self.live);
         theirs.scale(0.5);
-        self.delta.add(&theirs);
-        self.delta.sub(&self.live);
+        if let Some(delta) = self.delta.as_mut() {
+            delta.add(&theirs);
+            delta.sub(&self.live);
+        }
         self.live = theirs.clone();
         theirs
     }
@@ -87,11 +106,21 @@ mod tests {
         assert_eq!(avg, Payload::Data(vec![2.0, 3.0]));
         // The compute side stepped from [1, 1] to [0, 1]; it must end at [1, 3] = step + delta.
         let delta = p.publish(Payload::Data(vec![0.0, 1.0]));
-        assert_eq!(delta, Payload::Data(vec![1.0, 2.0]));
+        assert_eq!(delta, Some(Payload::Data(vec![1.0, 2.0])));
         assert_eq!(p.live, Payload::Data(vec![1.0, 3.0]));
         assert_eq!(
             p.publish(Payload::Data(vec![1.0, 3.0])),
-            Payload::Data(vec![0.0, 0.0])
+            Some(Payload::Data(vec![0.0, 0.0]))
         );
+        assert!(p.gossip_copy().is_none());
+    }
+
+    #[test]
+    fn a_gossiping_passive_rank_averages_into_its_shared_copy() {
+        let mut p = Passive::gossip(Payload::Data(vec![1.0, 1.0]));
+        let avg = p.average(Payload::Data(vec![3.0, 5.0]));
+        assert_eq!(avg, Payload::Data(vec![2.0, 3.0]));
+        assert_eq!(p.gossip_copy(), Some(&mut Payload::Data(vec![2.0, 3.0])));
+        assert_eq!(p.publish(Payload::Data(vec![0.0, 0.0])), None);
     }
 }

@@ -50,6 +50,8 @@ pub(super) enum Owner {
         /// The round.
         round: u64,
     },
+    /// An exchange of the AD-PSGD gossip loop.
+    Gossip,
 }
 
 /// A schedule in progress.

@@ -874,3 +874,81 @@ fn a_gradient_that_arrives_while_its_round_runs_is_dropped_not_taken_by_the_next
         );
     }
 }
+
+fn mixed(net: &mut Net, rank: Rank, id: ReqId) -> Vec<f32> {
+    let i = net
+        .done
+        .iter()
+        .position(|(r, i, _)| *r == rank && *i == id)
+        .unwrap_or_else(|| panic!("request {id} of rank {rank} is not complete"));
+    match net.done.remove(i).2 {
+        Ok(Response::Mixed(m)) => m.into_vec(),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn a_gossip_exchange_keeps_what_the_step_mixed_in_and_holds_back_a_collective() {
+    let mut net = Net::new(2);
+    for (r, v) in [(0, 0.0), (1, 4.0)] {
+        let initial = Payload::Data(vec![v; 2]);
+        net.request(
+            r,
+            1,
+            Request::OpenGossip {
+                initial,
+                exchanges: 1,
+            },
+        );
+    }
+    let mix = |v: f32, start| Request::GossipMix {
+        data: Payload::Data(vec![v; 2]),
+        start,
+    };
+    // Rank 0 (active) mixes and starts an exchange that sends its shared copy [1, 1].
+    net.request(0, 2, mix(2.0, true));
+    assert_eq!(mixed(&mut net, 0, 2), vec![1.0; 2]);
+    assert_eq!(net.wire.len(), 1);
+    // It mixes again before the reply: its copy becomes [2, 2].
+    net.request(0, 3, mix(3.0, true));
+    assert_eq!(mixed(&mut net, 0, 3), vec![2.0; 2]);
+    // A collective waits for the exchange in flight: nothing more is sent yet.
+    let barrier = |r: Rank| Request::Run {
+        kind: Kind::Collective,
+        seq: 9,
+        schedule: crate::schedule::exchange_among(r, 0..2, 1),
+        data: Payload::Data(vec![1.0]),
+        weight: 0.0,
+        steps: 0,
+    };
+    net.request(0, 4, barrier(0));
+    assert_eq!(net.wire.len(), 1);
+    net.request(1, 4, barrier(1));
+    net.pump(100);
+    // The passive copy took the pair's average (1 + 4) / 2; the active one that average plus
+    // what the second mix added: 2 + (2.5 - 1). The ended budget started nothing more.
+    for r in 0..2 {
+        assert!(
+            net.done
+                .iter()
+                .any(|(rank, id, res)| *rank == r && *id == 4 && res.is_ok()),
+            "rank {r}'s collective did not complete"
+        );
+    }
+    let exchanges: Vec<u64> = (0..2)
+        .map(|r| stats(&mut net, r).gossip_exchanges)
+        .collect();
+    assert_eq!(exchanges, vec![1, 0]);
+    net.request(0, 5, mix(3.5, false));
+    assert_eq!(mixed(&mut net, 0, 5), vec![3.5; 2]);
+    net.request(1, 5, mix(2.5, false));
+    assert_eq!(mixed(&mut net, 1, 5), vec![2.5; 2]);
+    assert!(net.wire.is_empty());
+    // A rank that does not gossip says so.
+    let mut lone = Net::new(2);
+    lone.request(0, 1, mix(1.0, true));
+    assert!(matches!(
+        lone.done.pop(),
+        Some((0, 1, Err(Error::Protocol { .. })))
+    ));
+}

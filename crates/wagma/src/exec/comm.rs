@@ -115,6 +115,9 @@ impl Comm {
             match &req {
                 Request::Arrive { round, .. } => format!("wait: round {round}"),
                 Request::Run { kind, seq, .. } => format!("wait: {} #{seq}", kind.name()),
+                // A model is too long to print.
+                Request::GossipMix { .. } => "wait: gossip mix".into(),
+                Request::PassivePublish { .. } => "wait: passive publish".into(),
                 other => format!("wait: {other:?}").chars().take(40).collect(),
             }
         } else {
@@ -411,6 +414,23 @@ impl Comm {
         match self.call(Request::PassivePublish { data }).await? {
             Response::Delta(d) => Ok(d),
             _ => Err(self.unexpected("passive publish")),
+        }
+    }
+
+    /// Joins the AD-PSGD gossip (the WAGMA-SGD authors' baseline) with `initial` as the
+    /// shared copy; an active rank's engine runs `exchanges` pairwise averages after each mix.
+    pub async fn open_gossip(&mut self, initial: Payload, exchanges: u32) -> Result<(), Error> {
+        self.expect_done(Request::OpenGossip { initial, exchanges }, "open gossip")
+            .await
+    }
+
+    /// Gossip: mixes the model after a local step with the engine's shared copy and returns
+    /// `(data + shared) / 2`; with `start`, an active rank's engine then runs its exchanges.
+    /// Never waits for a peer.
+    pub async fn gossip_mix(&mut self, data: Payload, start: bool) -> Result<Payload, Error> {
+        match self.call(Request::GossipMix { data, start }).await? {
+            Response::Mixed(m) => Ok(m),
+            _ => Err(self.unexpected("gossip mix")),
         }
     }
 

@@ -191,6 +191,27 @@ impl Pairing {
         let distance = (1usize << (iteration % u64::from(self.levels))) - 1;
         Some(self.passive[(rank / 2 + distance) % q])
     }
+
+    /// The passive peer of active rank `rank` in its `n`-th exchange of the WAGMA-SGD
+    /// authors' gossip loop: exchanges alternate forward and backward, and each pair of them
+    /// moves one level further, cycling through floor(log2 P) levels. For active rank r
+    /// (P even) level 0 gives r + 1 and r - 1, level k > 0 gives r + 2^k + 1 and r - 2^k - 1.
+    pub fn gossip_peer(&self, rank: Rank, n: u64) -> Option<Rank> {
+        if self.role(rank) != PairRole::Active {
+            return None;
+        }
+        let q = self.passive.len() as u64;
+        let levels = u64::from(self.ranks.max(2).ilog2());
+        let level = (n / 2) % levels;
+        let forward = (if level == 0 { 0 } else { 1u64 << (level - 1) }) % q;
+        let i = (rank / 2) as u64 % q;
+        let index = if n.is_multiple_of(2) {
+            (i + forward) % q
+        } else {
+            (i + 2 * q - forward - 1) % q
+        };
+        Some(self.passive[index as usize])
+    }
 }
 
 #[cfg(test)]
@@ -276,5 +297,29 @@ mod tests {
         let p = Pairing::new(8).unwrap();
         let peers: Vec<_> = (0..4).map(|t| p.peer(0, t).unwrap()).collect();
         assert_eq!(peers, vec![1, 3, 7, 1]);
+    }
+
+    #[test]
+    fn gossip_peers_are_passive_and_follow_the_authors_distances() {
+        for p in 1..40 {
+            let pairing = Pairing::new(p).unwrap();
+            for r in 0..p {
+                for n in 0..30 {
+                    match pairing.gossip_peer(r, n) {
+                        Some(q) => assert_eq!(pairing.role(q), PairRole::Passive, "p={p} r={r}"),
+                        None => assert_eq!(pairing.role(r), PairRole::Passive),
+                    }
+                }
+            }
+        }
+        // P = 64: forward r+1, r+3, r+5, r+9, r+17, r+33; backward r-1, r-3, r-5, ...
+        let pairing = Pairing::new(64).unwrap();
+        let peers: Vec<_> = (0..14)
+            .map(|n| pairing.gossip_peer(10, n).unwrap())
+            .collect();
+        assert_eq!(
+            peers,
+            vec![11, 9, 13, 7, 15, 5, 19, 1, 27, 57, 43, 41, 11, 9]
+        );
     }
 }

@@ -1,0 +1,209 @@
+//! The WAGMA-SGD authors' AD-PSGD baseline: each rank keeps a shared copy of its model in its
+//! engine, an active rank's engine averages that copy with passive peers' copies in a loop of
+//! its own, and the compute side only mixes its model with the copy after each local step
+//! (`W <- (W + shared) / 2`, then `shared <- W`). The compute side never waits for a peer.
+//!
+//! Their loop runs without pause, so its rate is whatever the machine allows; here each mix
+//! starts a budget of exchanges (one after the other, each with the next peer of
+//! [`Pairing::gossip_peer`]), which keeps the rate defined in virtual time too. A blocking
+//! collective of the compute side ends the budget and starts once the exchange in flight is
+//! done, so that no exchange can outlive a barrier (a passive peer may leave after one).
+
+use super::run::{Members, Owner};
+use super::{Action, Engine, ReqId, Time};
+use crate::error::{Error, Op};
+use crate::payload::Payload;
+use crate::schedule::{self, Schedule};
+use crate::topology::Pairing;
+use crate::transport::{Contribution, Kind};
+
+/// A blocking collective held back behind the exchange in flight.
+pub(super) struct HeldRun {
+    pub id: ReqId,
+    pub kind: Kind,
+    pub seq: u64,
+    pub schedule: Schedule,
+    pub data: Payload,
+    pub weight: f64,
+    pub steps: u64,
+}
+
+/// The gossip loop of an active rank.
+pub(super) struct Gossip {
+    shared: Payload,
+    pairing: Pairing,
+    per_mix: u32,
+    budget: u32,
+    /// Exchanges completed (also the sequence number of the next one).
+    done: u64,
+    /// What the exchange in flight sent, and whether the compute side mixed meanwhile.
+    in_flight: Option<(Payload, bool)>,
+    held: Vec<HeldRun>,
+}
+
+impl Gossip {
+    pub fn new(initial: Payload, pairing: Pairing, per_mix: u32) -> Gossip {
+        Gossip {
+            shared: initial,
+            pairing,
+            per_mix,
+            budget: 0,
+            done: 0,
+            in_flight: None,
+            held: Vec::new(),
+        }
+    }
+
+    /// Holds `run` back while an exchange is in flight (and ends the budget either way);
+    /// gives it back when it can start now.
+    pub fn hold(&mut self, run: HeldRun) -> Option<HeldRun> {
+        self.budget = 0;
+        if self.in_flight.is_some() {
+            self.held.push(run);
+            None
+        } else {
+            Some(run)
+        }
+    }
+}
+
+/// `shared <- (w + shared) / 2`; returns the mix for the compute side.
+pub(super) fn mix(shared: &mut Payload, mut w: Payload) -> Payload {
+    w.add(shared);
+    w.scale(0.5);
+    let mixed = w.duplicate();
+    std::mem::replace(shared, w).recycle();
+    mixed
+}
+
+fn not_gossiping(rank: crate::Rank) -> Error {
+    Error::Protocol {
+        rank,
+        op: Op::Other("gossip mix"),
+        detail: "the rank does not gossip (open it first)".into(),
+    }
+}
+
+impl Engine {
+    /// The compute side mixes its model `data` with the shared copy; with `start`, the
+    /// engine then runs this rank's budget of exchanges (active ranks).
+    pub(super) fn gossip_mix(
+        &mut self,
+        now: Time,
+        data: Payload,
+        start: bool,
+    ) -> Result<Payload, Error> {
+        let rank = self.rank;
+        let shared = match (&mut self.gossip, &mut self.passive) {
+            (Some(g), _) => {
+                if let Some((_, mixed)) = &mut g.in_flight {
+                    *mixed = true;
+                }
+                if start {
+                    g.budget = g.per_mix;
+                }
+                &mut g.shared
+            }
+            (None, Some(p)) => match p.gossip_copy() {
+                Some(live) => live,
+                None => return Err(not_gossiping(rank)),
+            },
+            (None, None) => return Err(not_gossiping(rank)),
+        };
+        if shared.len() != data.len() {
+            return Err(Error::Protocol {
+                rank,
+                op: Op::Other("gossip mix"),
+                detail: format!(
+                    "model of {} elements for a shared copy of {}",
+                    data.len(),
+                    shared.len()
+                ),
+            });
+        }
+        let mixed = mix(shared, data);
+        self.next_exchange(now);
+        Ok(mixed)
+    }
+
+    /// Starts the next exchange of the budget, if nothing is in flight or held back.
+    fn next_exchange(&mut self, now: Time) {
+        let rank = self.rank;
+        let Some(g) = self.gossip.as_mut() else {
+            return;
+        };
+        if g.budget == 0 || g.in_flight.is_some() || !g.held.is_empty() {
+            return;
+        }
+        let Some(peer) = g.pairing.gossip_peer(rank, g.done) else {
+            return;
+        };
+        let seq = g.done;
+        let len = g.shared.len();
+        g.in_flight = Some((g.shared.duplicate(), false));
+        let data = g.shared.duplicate();
+        let contributions = vec![Contribution {
+            rank,
+            steps: self.iteration,
+        }];
+        self.start(
+            now,
+            Members::Job(self.ranks),
+            Owner::Gossip,
+            Op::Collective {
+                kind: "gossip exchange",
+                seq,
+            },
+            Kind::Pair,
+            seq,
+            schedule::pair_request(peer, len),
+            data,
+            0.0,
+            contributions,
+        );
+    }
+
+    /// An exchange came back with the pair's average `avg` of what it sent: the shared copy
+    /// takes the average, keeping what the compute side mixed in meanwhile.
+    pub(super) fn on_gossip_done(&mut self, now: Time, mut avg: Payload, out: &mut Vec<Action>) {
+        let Some(g) = self.gossip.as_mut() else {
+            return;
+        };
+        if let Some((sent, mixed)) = g.in_flight.take() {
+            if mixed {
+                avg.sub(&sent);
+                g.shared.add(&avg);
+                avg.recycle();
+            } else {
+                std::mem::replace(&mut g.shared, avg).recycle();
+            }
+            sent.recycle();
+        }
+        g.done += 1;
+        g.budget = g.budget.saturating_sub(1);
+        self.stats.gossip_exchanges += 1;
+        let held = std::mem::take(&mut g.held);
+        for run in held {
+            let id = run.id;
+            if let Err(e) = self.begin_run(now, run) {
+                self.complete(id, Err(e), out);
+            }
+        }
+        self.next_exchange(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mix_averages_and_keeps_the_result_in_the_shared_copy() {
+        let mut shared = Payload::Data(vec![1.0, 3.0]);
+        let mixed = mix(&mut shared, Payload::Data(vec![3.0, 5.0]));
+        assert_eq!(mixed, Payload::Data(vec![2.0, 4.0]));
+        assert_eq!(shared, mixed);
+        let mut virtual_copy = Payload::Size(2);
+        assert_eq!(mix(&mut virtual_copy, Payload::Size(2)), Payload::Size(2));
+    }
+}
