@@ -463,11 +463,7 @@ impl<'c> Worker<'c> {
             // The barrier ended every gossip loop: fold the shared copy in without starting
             // another, so that the model alone is the state (a resumed run starts its copy
             // from it).
-            let scope = self.cfg.scope;
-            let own = self.state.pack(scope);
-            let mixed = self.comm.gossip_mix(own, false).await?;
-            self.state.mix(scope, &mixed, 1.0, false);
-            mixed.recycle();
+            self.gossip_mix(false).await?;
         } else if let Role::Pair(pairing) = &self.role
             && pairing.role(self.comm.rank()) == PairRole::Passive
             && self.comm.size() > 1
@@ -678,12 +674,7 @@ impl<'c> Worker<'c> {
                 self.state.mix(scope, &e.data, 1.0 / n as f32, false);
                 e.data.recycle();
             }
-            Algorithm::AdPsgd { gossip: Some(_) } if p > 1 => {
-                let own = self.state.pack(scope);
-                let mixed = self.comm.gossip_mix(own, true).await?;
-                self.state.mix(scope, &mixed, 1.0, false);
-                mixed.recycle();
-            }
+            Algorithm::AdPsgd { gossip: Some(_) } if p > 1 => self.gossip_mix(true).await?,
             Algorithm::AdPsgd { .. } => {
                 let rank = self.comm.rank();
                 let own = self.state.pack(scope);
@@ -723,6 +714,17 @@ impl<'c> Worker<'c> {
             }
             Algorithm::AllreduceSgd | Algorithm::EagerSgd { .. } => {}
         }
+        Ok(())
+    }
+
+    /// AD-PSGD's gossip: the model becomes its mix with the engine's shared copy; with
+    /// `start`, an active rank's engine then runs its exchanges.
+    async fn gossip_mix(&mut self, start: bool) -> Result<(), Error> {
+        let scope = self.cfg.scope;
+        let own = self.state.pack(scope);
+        let mixed = self.comm.gossip_mix(own, start).await?;
+        self.state.mix(scope, &mixed, 1.0, false);
+        mixed.recycle();
         Ok(())
     }
 

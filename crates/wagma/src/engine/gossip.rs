@@ -10,23 +10,12 @@
 //! done, so that no exchange can outlive a barrier (a passive peer may leave after one).
 
 use super::run::{Members, Owner};
-use super::{Action, Engine, ReqId, Time};
+use super::{Action, CollectiveRun, Engine, ReqId, Time};
 use crate::error::{Error, Op};
 use crate::payload::Payload;
-use crate::schedule::{self, Schedule};
+use crate::schedule;
 use crate::topology::Pairing;
 use crate::transport::{Contribution, Kind};
-
-/// A blocking collective held back behind the exchange in flight.
-pub(super) struct HeldRun {
-    pub id: ReqId,
-    pub kind: Kind,
-    pub seq: u64,
-    pub schedule: Schedule,
-    pub data: Payload,
-    pub weight: f64,
-    pub steps: u64,
-}
 
 /// The gossip loop of an active rank.
 pub(super) struct Gossip {
@@ -36,9 +25,13 @@ pub(super) struct Gossip {
     budget: u32,
     /// Exchanges completed (also the sequence number of the next one).
     done: u64,
-    /// What the exchange in flight sent, and whether the compute side mixed meanwhile.
-    in_flight: Option<(Payload, bool)>,
-    held: Vec<HeldRun>,
+    /// An exchange is in flight.
+    in_flight: bool,
+    /// What the compute side's mixes changed in the shared copy since the exchange in flight
+    /// sent it (`None`: nothing).
+    mixed_since_sent: Option<Payload>,
+    /// Blocking collectives held back behind the exchange in flight.
+    held: Vec<(ReqId, CollectiveRun)>,
 }
 
 impl Gossip {
@@ -49,17 +42,18 @@ impl Gossip {
             per_mix,
             budget: 0,
             done: 0,
-            in_flight: None,
+            in_flight: false,
+            mixed_since_sent: None,
             held: Vec::new(),
         }
     }
 
     /// Holds `run` back while an exchange is in flight (and ends the budget either way);
     /// gives it back when it can start now.
-    pub fn hold(&mut self, run: HeldRun) -> Option<HeldRun> {
+    pub fn hold(&mut self, id: ReqId, run: CollectiveRun) -> Option<CollectiveRun> {
         self.budget = 0;
-        if self.in_flight.is_some() {
-            self.held.push(run);
+        if self.in_flight {
+            self.held.push((id, run));
             None
         } else {
             Some(run)
@@ -96,8 +90,18 @@ impl Engine {
         let rank = self.rank;
         let shared = match (&mut self.gossip, &mut self.passive) {
             (Some(g), _) => {
-                if let Some((_, mixed)) = &mut g.in_flight {
-                    *mixed = true;
+                if g.in_flight && g.shared.len() == data.len() {
+                    // The mix changes the copy by (data - shared) / 2.
+                    let mut change = data.duplicate();
+                    change.sub(&g.shared);
+                    change.scale(0.5);
+                    match &mut g.mixed_since_sent {
+                        Some(m) => {
+                            m.add(&change);
+                            change.recycle();
+                        }
+                        None => g.mixed_since_sent = Some(change),
+                    }
                 }
                 if start {
                     g.budget = g.per_mix;
@@ -132,7 +136,7 @@ impl Engine {
         let Some(g) = self.gossip.as_mut() else {
             return;
         };
-        if g.budget == 0 || g.in_flight.is_some() || !g.held.is_empty() {
+        if g.budget == 0 || g.in_flight || !g.held.is_empty() {
             return;
         }
         let Some(peer) = g.pairing.gossip_peer(rank, g.done) else {
@@ -140,7 +144,7 @@ impl Engine {
         };
         let seq = g.done;
         let len = g.shared.len();
-        g.in_flight = Some((g.shared.duplicate(), false));
+        g.in_flight = true;
         let data = g.shared.duplicate();
         let contributions = vec![Contribution {
             rank,
@@ -164,28 +168,23 @@ impl Engine {
     }
 
     /// An exchange came back with the pair's average `avg` of what it sent: the shared copy
-    /// takes the average, keeping what the compute side mixed in meanwhile.
+    /// takes the average plus what the compute side mixed in meanwhile.
     pub(super) fn on_gossip_done(&mut self, now: Time, mut avg: Payload, out: &mut Vec<Action>) {
         let Some(g) = self.gossip.as_mut() else {
             return;
         };
-        if let Some((sent, mixed)) = g.in_flight.take() {
-            if mixed {
-                avg.sub(&sent);
-                g.shared.add(&avg);
-                avg.recycle();
-            } else {
-                std::mem::replace(&mut g.shared, avg).recycle();
-            }
-            sent.recycle();
+        if let Some(m) = g.mixed_since_sent.take() {
+            avg.add(&m);
+            m.recycle();
         }
+        std::mem::replace(&mut g.shared, avg).recycle();
+        g.in_flight = false;
         g.done += 1;
         g.budget = g.budget.saturating_sub(1);
         self.stats.gossip_exchanges += 1;
         let held = std::mem::take(&mut g.held);
-        for run in held {
-            let id = run.id;
-            if let Err(e) = self.begin_run(now, run) {
+        for (id, run) in held {
+            if let Err(e) = self.begin_run(now, id, run) {
                 self.complete(id, Err(e), out);
             }
         }

@@ -91,6 +91,23 @@ impl Default for EngineConfig {
     }
 }
 
+/// A blocking collective the compute side asks for: a schedule to run now.
+#[derive(Debug)]
+pub struct CollectiveRun {
+    /// Message namespace.
+    pub kind: Kind,
+    /// Sequence number shared by all participants.
+    pub seq: u64,
+    /// This rank's program.
+    pub schedule: Schedule,
+    /// Working buffer.
+    pub data: Payload,
+    /// Push-sum weight travelling with the data.
+    pub weight: f64,
+    /// Local steps embodied in `data`.
+    pub steps: u64,
+}
+
 /// What the compute side asks of its engine.
 #[derive(Debug)]
 pub enum Request {
@@ -108,20 +125,7 @@ pub enum Request {
         steps: u64,
     },
     /// Run a schedule now (a blocking collective).
-    Run {
-        /// Message namespace.
-        kind: Kind,
-        /// Sequence number shared by all participants.
-        seq: u64,
-        /// This rank's program.
-        schedule: Schedule,
-        /// Working buffer.
-        data: Payload,
-        /// Push-sum weight travelling with the data.
-        weight: f64,
-        /// Local steps embodied in `data`.
-        steps: u64,
-    },
+    Run(CollectiveRun),
     /// Become a passive AD-PSGD rank whose engine answers pairwise averaging requests.
     OpenPassive {
         /// The initial model.
@@ -369,28 +373,12 @@ impl Engine {
                     return;
                 }
             }
-            Request::Run {
-                kind,
-                seq,
-                schedule,
-                data,
-                weight,
-                steps,
-            } => {
-                let run = gossip::HeldRun {
-                    id,
-                    kind,
-                    seq,
-                    schedule,
-                    data,
-                    weight,
-                    steps,
-                };
+            Request::Run(run) => {
                 let run = match self.gossip.as_mut() {
-                    Some(g) => g.hold(run),
+                    Some(g) => g.hold(id, run),
                     None => Some(run),
                 };
-                match run.map(|run| self.begin_run(now, run)) {
+                match run.map(|run| self.begin_run(now, id, run)) {
                     Some(Err(e)) => Err(e),
                     _ => {
                         self.settle(now, out);
@@ -399,10 +387,7 @@ impl Engine {
                 }
             }
             Request::OpenPassive { initial } => {
-                self.passive = Some(Passive::new(initial));
-                for env in std::mem::take(&mut self.early_pairs) {
-                    self.on_pair_request(env, out);
-                }
+                self.become_passive(Passive::new(initial), out);
                 Ok(Response::Done)
             }
             Request::PassivePublish { data } => {
@@ -421,10 +406,7 @@ impl Engine {
                         if pairing.role(self.rank) == crate::topology::PairRole::Active {
                             self.gossip = Some(gossip::Gossip::new(initial, pairing, exchanges));
                         } else {
-                            self.passive = Some(Passive::gossip(initial));
-                            for env in std::mem::take(&mut self.early_pairs) {
-                                self.on_pair_request(env, out);
-                            }
+                            self.become_passive(Passive::gossip(initial), out);
                         }
                         Ok(Response::Done)
                     }
@@ -432,13 +414,7 @@ impl Engine {
                 }
             }
             Request::GossipMix { data, start } => {
-                let mixed = self.gossip_mix(now, data, start).map(Response::Mixed);
-                if mixed.is_ok() {
-                    out.push(Action::Complete { id, result: mixed });
-                    self.settle(now, out);
-                    return;
-                }
-                mixed
+                self.gossip_mix(now, data, start).map(Response::Mixed)
             }
             Request::Announce => {
                 self.announce(out);
@@ -889,11 +865,9 @@ impl Engine {
         None
     }
 
-    /// Starts `schedule`, a sum over `members` (the ranks a peer's contribution list may name).
     /// Starts a blocking collective of the compute side (without advancing it).
-    fn begin_run(&mut self, now: Time, run: gossip::HeldRun) -> Result<(), Error> {
-        let gossip::HeldRun {
-            id,
+    fn begin_run(&mut self, now: Time, id: ReqId, run: CollectiveRun) -> Result<(), Error> {
+        let CollectiveRun {
             kind,
             seq,
             schedule,
@@ -938,6 +912,7 @@ impl Engine {
         Ok(())
     }
 
+    /// Starts `schedule`, a sum over `members` (the ranks a peer's contribution list may name).
     #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,

@@ -62,6 +62,14 @@ impl Passive {
 }
 
 impl Engine {
+    /// Makes this rank passive and answers the averaging requests that came before.
+    pub(super) fn become_passive(&mut self, passive: Passive, out: &mut Vec<Action>) {
+        self.passive = Some(passive);
+        for env in std::mem::take(&mut self.early_pairs) {
+            self.on_pair_request(env, out);
+        }
+    }
+
     pub(super) fn on_pair_request(&mut self, env: Envelope, out: &mut Vec<Action>) {
         let Some(p) = self.passive.as_mut() else {
             self.early_pairs.push(env);

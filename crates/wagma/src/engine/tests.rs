@@ -57,13 +57,18 @@ impl Net {
         }
     }
 
-    fn take_round(&mut self, rank: Rank, id: ReqId) -> RoundResult {
+    /// The outcome of request `id` of `rank`, which must be complete.
+    fn take(&mut self, rank: Rank, id: ReqId) -> Result<Response, Error> {
         let i = self
             .done
             .iter()
             .position(|(r, i, _)| *r == rank && *i == id)
             .unwrap_or_else(|| panic!("request {id} of rank {rank} is not complete"));
-        match self.done.remove(i).2 {
+        self.done.remove(i).2
+    }
+
+    fn take_round(&mut self, rank: Rank, id: ReqId) -> RoundResult {
+        match self.take(rank, id) {
             Ok(Response::Round(r)) => r,
             other => panic!("unexpected {other:?}"),
         }
@@ -319,14 +324,14 @@ fn a_timeout_names_the_missing_peer_and_stops_the_engine() {
     e.on_request(
         Duration::ZERO,
         7,
-        Request::Run {
+        Request::Run(CollectiveRun {
             kind: Kind::Collective,
             seq: 0,
             schedule,
             data: Payload::Data(vec![1.0; 3]),
             weight: 0.0,
             steps: 0,
-        },
+        }),
         &mut out,
     );
     assert_eq!(e.next_deadline(), Some(Duration::from_secs(60)));
@@ -443,13 +448,15 @@ fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
         other => panic!("unexpected {other:?}"),
     }
     // The joiner is already in the collective that follows the admission when rank 1 admits it.
-    let barrier = |r: Rank| Request::Run {
-        kind: Kind::Collective,
-        seq: 43,
-        schedule: crate::schedule::exchange_among(r, 0..3, 1),
-        data: Payload::Data(vec![r as f32 + 1.0]),
-        weight: 0.0,
-        steps: 0,
+    let barrier = |r: Rank| {
+        Request::Run(CollectiveRun {
+            kind: Kind::Collective,
+            seq: 43,
+            schedule: crate::schedule::exchange_among(r, 0..3, 1),
+            data: Payload::Data(vec![r as f32 + 1.0]),
+            weight: 0.0,
+            steps: 0,
+        })
     };
     net.request(2, 6, barrier(2));
     net.pump(100);
@@ -599,14 +606,14 @@ fn contribution_msg(from: Rank, seq: u64, contributions: &[Rank]) -> Envelope {
 fn sum_with_rank_1(reply: Envelope) -> Result<Response, Error> {
     let mut e = Engine::new(0, 2, elastic());
     let mut out = Vec::new();
-    let run = Request::Run {
+    let run = Request::Run(CollectiveRun {
         kind: Kind::Collective,
         seq: 7,
         schedule: crate::schedule::exchange_among(0, [0, 1], 1),
         data: Payload::Data(vec![1.0]),
         weight: 0.0,
         steps: 1,
-    };
+    });
     e.on_request(Duration::ZERO, 1, run, &mut out);
     e.on_message(Duration::ZERO, reply, &mut out);
     out.into_iter()
@@ -745,14 +752,14 @@ fn activation(from: Rank, seq: u64) -> Envelope {
 fn elastic_exchange_of_three() -> (Engine, Vec<Action>) {
     let mut e = Engine::new(0, 3, elastic_with_heartbeats());
     let mut out = Vec::new();
-    let run = Request::Run {
+    let run = Request::Run(CollectiveRun {
         kind: Kind::Collective,
         seq: 7,
         schedule: crate::schedule::exchange_among(0, [0, 1, 2], 1),
         data: Payload::Data(vec![1.0]),
         weight: 0.0,
         steps: 1,
-    };
+    });
     e.on_request(Duration::ZERO, 1, run, &mut out);
     (e, out)
 }
@@ -876,12 +883,7 @@ fn a_gradient_that_arrives_while_its_round_runs_is_dropped_not_taken_by_the_next
 }
 
 fn mixed(net: &mut Net, rank: Rank, id: ReqId) -> Vec<f32> {
-    let i = net
-        .done
-        .iter()
-        .position(|(r, i, _)| *r == rank && *i == id)
-        .unwrap_or_else(|| panic!("request {id} of rank {rank} is not complete"));
-    match net.done.remove(i).2 {
+    match net.take(rank, id) {
         Ok(Response::Mixed(m)) => m.into_vec(),
         other => panic!("unexpected {other:?}"),
     }
@@ -913,13 +915,15 @@ fn a_gossip_exchange_keeps_what_the_step_mixed_in_and_holds_back_a_collective() 
     net.request(0, 3, mix(3.0, true));
     assert_eq!(mixed(&mut net, 0, 3), vec![2.0; 2]);
     // A collective waits for the exchange in flight: nothing more is sent yet.
-    let barrier = |r: Rank| Request::Run {
-        kind: Kind::Collective,
-        seq: 9,
-        schedule: crate::schedule::exchange_among(r, 0..2, 1),
-        data: Payload::Data(vec![1.0]),
-        weight: 0.0,
-        steps: 0,
+    let barrier = |r: Rank| {
+        Request::Run(CollectiveRun {
+            kind: Kind::Collective,
+            seq: 9,
+            schedule: crate::schedule::exchange_among(r, 0..2, 1),
+            data: Payload::Data(vec![1.0]),
+            weight: 0.0,
+            steps: 0,
+        })
     };
     net.request(0, 4, barrier(0));
     assert_eq!(net.wire.len(), 1);

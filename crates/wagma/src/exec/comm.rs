@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{Pending, Port};
 use crate::Rank;
-use crate::engine::{EngineConfig, EngineStats, Request, Response, RoundResult, StreamConfig};
+use crate::engine::{
+    CollectiveRun, EngineConfig, EngineStats, Request, Response, RoundResult, StreamConfig,
+};
 use crate::error::{Error, Op};
 use crate::payload::Payload;
 use crate::schedule::{self, AlgorithmChoice, AllreduceAlgorithm, Schedule};
@@ -114,7 +116,9 @@ impl Comm {
         let name = if self.tracer.enabled() {
             match &req {
                 Request::Arrive { round, .. } => format!("wait: round {round}"),
-                Request::Run { kind, seq, .. } => format!("wait: {} #{seq}", kind.name()),
+                Request::Run(CollectiveRun { kind, seq, .. }) => {
+                    format!("wait: {} #{seq}", kind.name())
+                }
                 // A model is too long to print.
                 Request::GossipMix { .. } => "wait: gossip mix".into(),
                 Request::PassivePublish { .. } => "wait: passive publish".into(),
@@ -179,14 +183,14 @@ impl Comm {
         steps: u64,
     ) -> Result<Exchanged, Error> {
         match self
-            .call(Request::Run {
+            .call(Request::Run(CollectiveRun {
                 kind,
                 seq,
                 schedule,
                 data,
                 weight,
                 steps,
-            })
+            }))
             .await?
         {
             Response::Data {
