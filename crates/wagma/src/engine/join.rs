@@ -82,9 +82,9 @@ impl Engine {
     /// its old incarnation reaches this rank before the new one's announcement, and an
     /// announcement that arrives after the others admitted it changes nothing.
     pub(super) fn on_join(&mut self, from: Rank) {
-        if self.cfg.elastic && self.dead.get(from).copied().unwrap_or(false) {
+        if self.cfg.elastic && self.dead.contains(from) {
             tracing::info!(rank = self.rank, peer = from, "rank {from} asks to rejoin");
-            self.joining[from] = true;
+            self.joining.insert(from);
         }
     }
 
@@ -102,9 +102,9 @@ impl Engine {
             });
         }
         for &r in ranks {
-            self.dead[r] = false;
-            self.departed[r] = false;
-            self.joining[r] = false;
+            self.dead.remove(r);
+            self.departed.remove(r);
+            self.joining.remove(r);
             if let Some(l) = self.liveness.as_mut() {
                 l.restart(r, now);
             }
@@ -205,7 +205,7 @@ impl Engine {
         let me = self.rank;
         let nobody = (0..self.ranks)
             .filter(|&p| p != me)
-            .all(|p| self.dead[p] || self.departed[p]);
+            .all(|p| self.dead.contains(p) || self.departed.contains(p));
         let op = Op::Other("waiting to be admitted back into the job");
         let err = if nobody && self.ranks > 1 {
             Error::PeerLost {

@@ -116,7 +116,12 @@ impl Engine {
         // A silent watched peer is dead; in elastic mode, every one of them at once (one
         // left for the next tick could time out an operation first).
         let silent: Vec<(Rank, Duration)> = (0..l.watched.len())
-            .filter(|&p| !self.rejoining && l.watched[p] && !self.departed[p] && !self.dead[p])
+            .filter(|&p| {
+                !self.rejoining
+                    && l.watched[p]
+                    && !self.departed.contains(p)
+                    && !self.dead.contains(p)
+            })
             .filter_map(|p| {
                 let since = now.saturating_sub(l.last_heard[p]?);
                 (since > timeout).then_some((p, since))
@@ -145,7 +150,7 @@ impl Engine {
         if now >= l.next_beat {
             l.next_beat = now + l.interval;
             let targets: Vec<Rank> = (0..l.watched.len())
-                .filter(|&p| l.watched[p] && !self.departed[p])
+                .filter(|&p| l.watched[p] && !self.departed.contains(p))
                 .collect();
             let iteration = self.iteration;
             for to in targets {

@@ -13,6 +13,7 @@ mod gossip;
 mod join;
 mod liveness;
 mod passive;
+mod rank_set;
 mod run;
 mod stream;
 
@@ -38,6 +39,7 @@ pub use stream::{
 };
 
 use passive::Passive;
+use rank_set::RankSet;
 use run::{Owner, Running};
 use stream::Stream;
 
@@ -279,16 +281,17 @@ pub struct Engine {
     gossip: Option<gossip::Gossip>,
     early_pairs: Vec<Envelope>,
     outstanding: BTreeMap<ReqId, Op>,
-    departed: Vec<bool>,
+    /// Peers that said goodbye.
+    departed: RankSet,
     /// True once any peer said goodbye (a rejoin does not reset it): until then, nothing
     /// running can wait on a departed peer.
     any_departed: bool,
     /// The sends of a schedule's phase, reused from phase to phase.
     sends: Vec<(Rank, Envelope)>,
     /// Peers declared dead (elastic mode).
-    dead: Vec<bool>,
+    dead: RankSet,
     /// Dead peers that announced a restart.
-    joining: Vec<bool>,
+    joining: RankSet,
     welcome: Option<Welcome>,
     /// This rank announced a rejoin and waits for its welcome.
     rejoining: bool,
@@ -318,11 +321,11 @@ impl Engine {
             gossip: None,
             early_pairs: Vec::new(),
             outstanding: BTreeMap::new(),
-            departed: vec![false; ranks],
+            departed: RankSet::default(),
             any_departed: false,
             sends: Vec::new(),
-            dead: vec![false; ranks],
-            joining: vec![false; ranks],
+            dead: RankSet::default(),
+            joining: RankSet::default(),
             welcome: None,
             rejoining: false,
             welcome_waiter: None,
@@ -431,7 +434,7 @@ impl Engine {
             }
             Request::Stats => Ok(Response::Stats(EngineStats {
                 dead: self.dead(),
-                joining: (0..self.ranks).filter(|&p| self.joining[p]).collect(),
+                joining: self.joining.iter().collect(),
                 ..self.stats.clone()
             })),
             Request::TakeTrace => Ok(Response::Trace(self.tracer.take())),
@@ -449,9 +452,7 @@ impl Engine {
         self.stats.messages_received += 1;
         self.stats.bytes_received += env.data.bytes() as u64;
         let from = env.from;
-        if env.tag.kind != Kind::Control
-            && self.dead.get(from).copied().unwrap_or(false)
-            && !self.joining.get(from).copied().unwrap_or(false)
+        if env.tag.kind != Kind::Control && self.dead.contains(from) && !self.joining.contains(from)
         {
             // What a dead peer's old incarnation still had in flight serves nothing (its
             // replacement announces itself, a control message, before sending anything else).
@@ -509,16 +510,12 @@ impl Engine {
         }
         // A peer that said goodbye may close its connections; only an operation that still
         // needs it fails (see `settle`).
-        if self.departed.get(peer).copied().unwrap_or(false)
-            && !self.running.iter().any(|r| r.waits_on(peer))
-        {
+        if self.departed.contains(peer) && !self.running.iter().any(|r| r.waits_on(peer)) {
             return;
         }
         if self.cfg.elastic {
             // A joiner that dies before it is admitted is not admitted.
-            if let Some(j) = self.joining.get_mut(peer) {
-                *j = false;
-            }
+            self.joining.remove(peer);
             self.declare_dead(now, peer, reason, out);
             return;
         }
@@ -570,7 +567,7 @@ impl Engine {
         // A peer declared dead hears nothing more (only a restarted one waiting to be
         // admitted needs to know that this rank left).
         let msgs = (0..self.ranks)
-            .filter(|&p| p != self.rank && (!self.dead[p] || self.joining[p]))
+            .filter(|&p| p != self.rank && (!self.dead.contains(p) || self.joining.contains(p)))
             .map(|p| {
                 let meta = Meta {
                     aux: if abort { culprit } else { 0 },
@@ -590,11 +587,9 @@ impl Engine {
 
     fn on_control(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
         match env.tag.step {
-            CONTROL_BYE => {
-                if let Some(d) = self.departed.get_mut(env.from) {
-                    *d = true;
-                    self.any_departed = true;
-                }
+            CONTROL_BYE if env.from < self.ranks => {
+                self.departed.insert(env.from);
+                self.any_departed = true;
             }
             join::CONTROL_JOIN => self.on_join(env.from),
             join::CONTROL_WELCOME => self.on_welcome(now, env, out),
@@ -635,16 +630,18 @@ impl Engine {
         reason: &str,
         out: &mut Vec<Action>,
     ) {
-        if peer >= self.ranks || peer == self.rank || self.dead[peer] {
+        if peer >= self.ranks || peer == self.rank || self.dead.contains(peer) {
             return;
         }
-        self.dead[peer] = true;
+        self.dead.insert(peer);
         // What it sent for operations not started here will never be used; a process that
         // rejoins in its place starts afresh.
         self.unexpected.retain(|(_, from), _| *from != peer);
         // Only one side of a partition may go on: the one with rank 0 and a strict majority.
-        let alive: Vec<Rank> = (0..self.ranks).filter(|&p| !self.dead[p]).collect();
-        if 2 * alive.len() <= self.ranks || self.dead[0] {
+        let alive: Vec<Rank> = (0..self.ranks)
+            .filter(|&p| !self.dead.contains(p))
+            .collect();
+        if 2 * alive.len() <= self.ranks || self.dead.contains(0) {
             let err = Error::NoQuorum {
                 rank: self.rank,
                 lost: peer,
@@ -668,7 +665,7 @@ impl Engine {
 
     /// Peers declared dead (elastic mode).
     pub fn dead(&self) -> Vec<Rank> {
-        (0..self.ranks).filter(|&p| self.dead[p]).collect()
+        self.dead.iter().collect()
     }
 
     /// Checks deadlines.
@@ -801,7 +798,7 @@ impl Engine {
     }
 
     fn send(&mut self, to: Rank, env: Envelope, out: &mut Vec<Action>) {
-        if self.dead.get(to).copied().unwrap_or(false) {
+        if self.dead.contains(to) {
             return;
         }
         self.stats.messages_sent += 1;
@@ -987,7 +984,7 @@ impl Engine {
         if let Some((r, peer)) = self.running.iter().find_map(|r| {
             r.missing()
                 .into_iter()
-                .find(|&p| departed.get(p).copied().unwrap_or(false))
+                .find(|&p| departed.contains(p))
                 .map(|p| (r, p))
         }) {
             let err = Error::PeerLost {

@@ -4,6 +4,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use super::buffer::WorkBuf;
+use super::rank_set::RankSet;
 use super::{ReqId, Time};
 use crate::Rank;
 use crate::error::{Error, Op};
@@ -271,7 +272,7 @@ impl Running {
         rank: Rank,
         unexpected: &mut HashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
-        dead: &[bool],
+        dead: &RankSet,
     ) -> Result<bool, Error> {
         loop {
             let Some(phase) = self.schedule.phases.get(self.phase) else {
@@ -304,12 +305,8 @@ impl Running {
                 self.got.clear();
                 self.got.resize_with(phase.recvs.len(), || None);
                 self.absent.clear();
-                self.absent.extend(
-                    phase
-                        .recvs
-                        .iter()
-                        .map(|r| dead.get(r.peer).copied().unwrap_or(false)),
-                );
+                self.absent
+                    .extend(phase.recvs.iter().map(|r| dead.contains(r.peer)));
                 self.waiting = self.absent.iter().filter(|&&a| !a).count();
                 self.index.clear();
                 if phase.recvs.len() > 8 {

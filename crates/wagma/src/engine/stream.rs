@@ -651,7 +651,7 @@ impl Engine {
             self.stats.syncs += 1;
         }
         let schedule = if self.cfg.elastic {
-            let living = members.iter().copied().filter(|&m| !self.dead[m]);
+            let living = members.iter().copied().filter(|&m| !self.dead.contains(m));
             crate::schedule::exchange_among(rank, living, len)
         } else {
             allreduce(rank, &members, len, &algorithm)
