@@ -7,7 +7,7 @@
 //! a mutual handshake on the job id and shared secret; a peer that fails it is refused and
 //! logged. Messages are length-prefixed frames with a checked maximum size ([`super::frame`]);
 //! a reader thread per connection feeds the rank's inbox, and a writer thread per connection
-//! writes what the engine thread queues for it ([`writer`]).
+//! writes what the engine thread queues for it (the `writer` module).
 
 mod gate;
 mod handshake;
