@@ -1,6 +1,6 @@
-//! A set of peers (dead, departed, joining) that costs nothing until a rank joins it: an
-//! engine consults these sets on every message, and the simulator holds thousands of engines,
-//! so one vector of P flags per engine and set meant P^2 memory and a cache miss per message.
+//! A set of peers (dead, departed, joining) that costs nothing until a rank joins it: the
+//! simulator holds thousands of engines, and one vector of P flags per engine and set meant
+//! P^2 memory for sets that are almost always empty.
 
 use fixedbitset::FixedBitSet;
 
