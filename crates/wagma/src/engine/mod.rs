@@ -281,11 +281,8 @@ pub struct Engine {
     gossip: Option<gossip::Gossip>,
     early_pairs: Vec<Envelope>,
     outstanding: BTreeMap<ReqId, Op>,
-    /// Peers that said goodbye.
+    /// Peers that said goodbye (a rejoin takes its rank out again).
     departed: RankSet,
-    /// True once any peer said goodbye (a rejoin does not reset it): until then, nothing
-    /// running can wait on a departed peer.
-    any_departed: bool,
     /// The sends of a schedule's phase, reused from phase to phase.
     sends: Vec<(Rank, Envelope)>,
     /// Peers declared dead (elastic mode).
@@ -322,7 +319,6 @@ impl Engine {
             early_pairs: Vec::new(),
             outstanding: BTreeMap::new(),
             departed: RankSet::default(),
-            any_departed: false,
             sends: Vec::new(),
             dead: RankSet::default(),
             joining: RankSet::default(),
@@ -587,10 +583,7 @@ impl Engine {
 
     fn on_control(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {
         match env.tag.step {
-            CONTROL_BYE if env.from < self.ranks => {
-                self.departed.insert(env.from);
-                self.any_departed = true;
-            }
+            CONTROL_BYE if env.from < self.ranks => self.departed.insert(env.from),
             join::CONTROL_JOIN => self.on_join(env.from),
             join::CONTROL_WELCOME => self.on_welcome(now, env, out),
             CONTROL_ABORT if self.cfg.elastic => {
@@ -977,7 +970,8 @@ impl Engine {
                 break;
             }
         }
-        if !self.any_departed {
+        // Until a peer says goodbye, nothing running can wait on a departed one.
+        if self.departed.is_empty() {
             return;
         }
         let departed = &self.departed;

@@ -16,6 +16,12 @@ impl RankSet {
         self.0.contains(rank)
     }
 
+    /// Whether no rank is in the set (a few words to read: the set is as long as its
+    /// largest rank ever added).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_clear()
+    }
+
     /// Adds `rank`.
     pub fn insert(&mut self, rank: Rank) {
         self.0.grow_and_insert(rank);
@@ -41,7 +47,7 @@ mod tests {
     #[test]
     fn a_rank_set_grows_on_insert_and_answers_for_any_rank() {
         let mut s = RankSet::default();
-        assert!(!s.contains(0) && !s.contains(usize::MAX - 1));
+        assert!(!s.contains(0) && !s.contains(usize::MAX - 1) && s.is_empty());
         s.remove(7);
         s.insert(70);
         s.insert(3);
@@ -50,5 +56,7 @@ mod tests {
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![3, 70]);
         s.remove(70);
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![3]);
+        s.remove(3);
+        assert!(s.is_empty());
     }
 }
