@@ -9,6 +9,8 @@
 //! collective of the compute side ends the budget and starts once the exchange in flight is
 //! done, so that no exchange can outlive a barrier (a passive peer may leave after one).
 
+use std::sync::Arc;
+
 use super::run::{Members, Owner};
 use super::{Action, CollectiveRun, Engine, ReqId, Time};
 use crate::error::{Error, Op};
@@ -160,7 +162,7 @@ impl Engine {
             },
             Kind::Pair,
             seq,
-            schedule::pair_request(peer, len),
+            Arc::new(schedule::pair_request(peer, len)),
             data,
             0.0,
             contributions,

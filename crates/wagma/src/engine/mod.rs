@@ -15,9 +15,11 @@ mod liveness;
 mod passive;
 mod rank_set;
 mod run;
+mod schedule_cache;
 mod stream;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -285,6 +287,8 @@ pub struct Engine {
     departed: RankSet,
     /// The sends of a schedule's phase, reused from phase to phase.
     sends: Vec<(Rank, Envelope)>,
+    /// The schedules of this rank's recent rounds.
+    round_schedules: schedule_cache::ScheduleCache,
     /// Peers declared dead (elastic mode).
     dead: RankSet,
     /// Dead peers that announced a restart.
@@ -320,6 +324,7 @@ impl Engine {
             outstanding: BTreeMap::new(),
             departed: RankSet::default(),
             sends: Vec::new(),
+            round_schedules: Default::default(),
             dead: RankSet::default(),
             joining: RankSet::default(),
             welcome: None,
@@ -894,7 +899,7 @@ impl Engine {
             op,
             kind,
             seq,
-            schedule,
+            Arc::new(schedule),
             data,
             weight,
             contributions,
@@ -912,7 +917,7 @@ impl Engine {
         op: Op,
         kind: Kind,
         seq: u64,
-        schedule: Schedule,
+        schedule: Arc<Schedule>,
         data: Payload,
         weight: f64,
         contributions: Vec<Contribution>,

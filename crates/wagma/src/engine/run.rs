@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::buffer::WorkBuf;
 use super::rank_set::RankSet;
@@ -65,7 +66,7 @@ pub(super) struct Running {
     /// Where the operation's timeout counts from: its start, or the last time it waited on
     /// (elastic mode) for peers that were late but still heard from.
     pub timer_from: Time,
-    schedule: Schedule,
+    schedule: Arc<Schedule>,
     phase: usize,
     posted: bool,
     buf: WorkBuf,
@@ -94,7 +95,7 @@ impl Running {
         op: Op,
         kind: Kind,
         seq: u64,
-        schedule: Schedule,
+        schedule: Arc<Schedule>,
         buf: Payload,
         weight: f64,
         contributions: Vec<Contribution>,
@@ -204,8 +205,11 @@ impl Running {
                 remote: usize::try_from(env.meta.total_len).unwrap_or(usize::MAX),
             });
         }
+        // This rank's own list starts as itself and grows only by merging checked lists, so a
+        // list equal to it (every message of an allgather's second half) is valid.
         if self.track
-            && let Some(bad) = self.foreign_contribution(&env.meta.contributions)
+            && env.meta.contributions != self.contributions
+            && let Some(bad) = foreign_contribution(&self.members, &env.meta.contributions)
         {
             // A peer may only report members of this group, each once: otherwise it would
             // inflate the divisor of an average.
@@ -236,34 +240,6 @@ impl Running {
             });
         }
         Ok(())
-    }
-
-    /// What is wrong with a peer's contribution list, if anything: a rank outside this
-    /// schedule's members, or ranks not strictly ascending (a rank counted twice).
-    fn foreign_contribution(&self, list: &[Contribution]) -> Option<String> {
-        let ascending = list.windows(2).all(|w| w[0].rank < w[1].rank);
-        let outside = if ascending {
-            // Both sorted: one walk over the members.
-            match &self.members {
-                Members::Job(n) => list.last().filter(|c| c.rank >= *n),
-                Members::Group(g) => {
-                    let mut members = g.iter().peekable();
-                    list.iter().find(|c| {
-                        while members.next_if(|&&m| m < c.rank).is_some() {}
-                        members.next_if(|&&m| m == c.rank).is_none()
-                    })
-                }
-            }
-        } else {
-            list.iter().find(|c| !self.members.contains(c.rank))
-        };
-        if let Some(c) = outside {
-            return Some(format!(
-                "rank {} is not among the members {}",
-                c.rank, self.members
-            ));
-        }
-        (!ascending).then(|| "the ranks are not strictly ascending".to_string())
     }
 
     /// Runs phases as far as the received messages allow; `Ok(true)` when finished.
@@ -461,6 +437,54 @@ impl Running {
     }
 }
 
+/// What is wrong with a peer's contribution list, if anything: a rank outside this
+/// schedule's `members`, or ranks not strictly ascending (a rank counted twice).
+fn foreign_contribution(members: &Members, list: &[Contribution]) -> Option<String> {
+    // Both sorted, as every correct peer sends them: one walk over both lists finds the
+    // first rank that is not a member; it is also the first in list order, whatever
+    // follows it, so only a list out of order needs the second look.
+    let mut ascending = true;
+    let outside = match members {
+        Members::Job(n) => {
+            ascending = list.windows(2).all(|w| w[0].rank < w[1].rank);
+            if ascending {
+                list.last().filter(|c| c.rank >= *n)
+            } else {
+                list.iter().find(|c| c.rank >= *n)
+            }
+        }
+        Members::Group(g) => {
+            let mut ranks = g.iter();
+            let mut previous = None;
+            let mut found = None;
+            for c in list {
+                if previous.is_some_and(|p| p >= c.rank) {
+                    ascending = false;
+                    break;
+                }
+                previous = Some(c.rank);
+                // The next ranks of the list are larger: the members passed are done with.
+                if ranks.find(|&&m| m >= c.rank) != Some(&c.rank) {
+                    found = Some(c);
+                    break;
+                }
+            }
+            if ascending {
+                found
+            } else {
+                list.iter().find(|c| !members.contains(c.rank))
+            }
+        }
+    };
+    if let Some(c) = outside {
+        return Some(format!(
+            "rank {} is not among the members {}",
+            c.rank, members
+        ));
+    }
+    (!ascending).then(|| "the ranks are not strictly ascending".to_string())
+}
+
 /// The sum of `own` (this rank's weight) and the others' weights, added in ascending rank order
 /// (so that every member computes the same bits); sorts `others` by rank.
 fn fold_weights(rank: Rank, own: f64, others: &mut [(Rank, f64, Payload)]) -> f64 {
@@ -525,6 +549,32 @@ mod tests {
         v.iter()
             .map(|&(rank, steps)| Contribution { rank, steps })
             .collect()
+    }
+
+    #[test]
+    fn contribution_lists_name_only_members_in_ascending_order() {
+        let group = Members::Group(vec![1, 3, 4, 8]);
+        let check = |m: &Members, v: &[(Rank, u64)]| foreign_contribution(m, &list(v));
+        assert_eq!(check(&group, &[]), None);
+        assert_eq!(check(&group, &[(1, 1), (4, 2), (8, 1)]), None);
+        let outside = |r: Rank| Some(format!("rank {r} is not among the members [1, 3, 4, 8]"));
+        assert_eq!(check(&group, &[(0, 1)]), outside(0));
+        assert_eq!(check(&group, &[(1, 1), (2, 1), (3, 1)]), outside(2));
+        assert_eq!(check(&group, &[(3, 1), (9, 1)]), outside(9));
+        // The first outsider in list order, also when the list is out of order after it or
+        // before it.
+        assert_eq!(check(&group, &[(3, 1), (5, 1), (4, 1)]), outside(5));
+        assert_eq!(check(&group, &[(4, 1), (3, 1), (7, 1)]), outside(7));
+        let unordered = Some("the ranks are not strictly ascending".to_string());
+        assert_eq!(check(&group, &[(4, 1), (3, 1)]), unordered);
+        assert_eq!(check(&group, &[(3, 1), (3, 2)]), unordered);
+        let job = Members::Job(4);
+        assert_eq!(check(&job, &[(0, 1), (3, 1)]), None);
+        assert_eq!(
+            check(&job, &[(2, 1), (4, 1)]),
+            Some("rank 4 is not among the members of the job's 4 ranks".to_string())
+        );
+        assert_eq!(check(&job, &[(2, 1), (2, 1)]), unordered);
     }
 
     #[test]

@@ -652,9 +652,10 @@ impl Engine {
         }
         let schedule = if self.cfg.elastic {
             let living = members.iter().copied().filter(|&m| !self.dead.contains(m));
-            crate::schedule::exchange_among(rank, living, len)
+            Arc::new(crate::schedule::exchange_among(rank, living, len))
         } else {
-            allreduce(rank, &members, len, &algorithm)
+            self.round_schedules
+                .get_or_build(&members, len, || allreduce(rank, &members, len, &algorithm))
         };
         self.watch(now, &members);
         let epoch = self.epoch();

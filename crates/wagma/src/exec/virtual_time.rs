@@ -10,7 +10,9 @@
 //! simulator runs the same engines over a LogGP network model at thousands of ranks.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
+
+use dary_heap::QuaternaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -113,7 +115,7 @@ impl VirtualConfig {
 
 enum Event {
     Deliver { to: Rank, env: Envelope },
-    Timer { rank: Rank, slot: Arc<Slot> },
+    Timer { slot: Arc<Slot> },
     Tick { rank: Rank },
 }
 
@@ -125,21 +127,48 @@ fn message_key(to: Rank, env: &Envelope) -> u64 {
         ^ mix((env.tag.kind as u64) << 40 ^ (env.tag.step as u64) << 20 ^ env.meta.aux)
 }
 
+/// The identity of a rank's compute timer.
+fn timer_key(rank: Rank) -> u64 {
+    1 ^ (rank as u64) << 8
+}
+
+/// The identity of a rank's engine tick.
+fn tick_key(rank: Rank) -> u64 {
+    2 ^ (rank as u64) << 8
+}
+
 /// When an event happens and how ties are broken; the event itself waits in the core's slab,
 /// so that the heap moves only these few words.
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct Scheduled {
-    at: Duration,
-    tie: u64,
+    /// The time in nanoseconds (a `Duration`'s own resolution) above the tie-breaking hash:
+    /// one integer comparison orders by time, then by hash.
+    key: u128,
     seq: u64,
     /// Index of the event in the slab (unique, like `seq`: never decides an order).
     slot: usize,
 }
 
+impl Scheduled {
+    fn new(at: Duration, tie: u64, seq: u64, slot: usize) -> Scheduled {
+        // 2^64 ns is 584 years of virtual time.
+        let nanos = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX);
+        Scheduled {
+            key: u128::from(nanos) << 64 | u128::from(tie),
+            seq,
+            slot,
+        }
+    }
+
+    fn at(&self) -> Duration {
+        Duration::from_nanos((self.key >> 64) as u64)
+    }
+}
+
 struct Core {
     now: Duration,
     engines: Vec<Engine>,
-    events: BinaryHeap<Reverse<Scheduled>>,
+    events: QuaternaryHeap<Reverse<Scheduled>>,
     /// The events of `events`, by `Scheduled::slot`.
     slab: Vec<Option<Event>>,
     /// Free entries of `slab`.
@@ -156,12 +185,9 @@ struct Core {
 }
 
 impl Core {
-    fn schedule(&mut self, at: Duration, event: Event) {
-        let key = match &event {
-            Event::Deliver { to, env } => message_key(*to, env),
-            Event::Timer { rank, .. } => 1 ^ (*rank as u64) << 8,
-            Event::Tick { rank } => 2 ^ (*rank as u64) << 8,
-        };
+    /// Schedules `event`, whose identity (see [`message_key`]; a timer's or tick's rank) is
+    /// `key`, at `at`.
+    fn schedule(&mut self, at: Duration, key: u64, event: Event) {
         let tie = hash(self.seed, &[key, 0x7469_6521]);
         self.seq += 1;
         let slot = match self.free.pop() {
@@ -174,18 +200,14 @@ impl Core {
                 self.slab.len() - 1
             }
         };
-        self.events.push(Reverse(Scheduled {
-            at,
-            tie,
-            seq: self.seq,
-            slot,
-        }));
+        self.events
+            .push(Reverse(Scheduled::new(at, tie, self.seq, slot)));
     }
 
     /// The earliest event, with the clock moved to it.
     fn next_event(&mut self) -> Option<Event> {
         let Reverse(s) = self.events.pop()?;
-        self.now = self.now.max(s.at);
+        self.now = self.now.max(s.at());
         self.free.push(s.slot);
         self.slab[s.slot].take()
     }
@@ -195,12 +217,13 @@ impl Core {
             match a {
                 Action::Send { to, env } => {
                     let bytes = env.wire_bytes();
-                    let noise = unit(hash(self.seed, &[message_key(to, &env)]));
+                    let key = message_key(to, &env);
+                    let noise = unit(hash(self.seed, &[key]));
                     // Messages may overtake each other (the engine matches them by tag): no
                     // ordering state outlives the messages, so a run resumed at a barrier
                     // replays the uninterrupted one.
                     let at = self.network.arrival(self.now, rank, to, bytes, noise);
-                    self.schedule(at, Event::Deliver { to, env });
+                    self.schedule(at, key, Event::Deliver { to, env });
                 }
                 Action::Complete { id, result } => {
                     if let Some(slot) = self.slots[rank].remove(&id) {
@@ -216,7 +239,7 @@ impl Core {
             && self.tick_at[rank].is_none_or(|t| d < t)
         {
             self.tick_at[rank] = Some(d);
-            self.schedule(d.max(self.now), Event::Tick { rank });
+            self.schedule(d.max(self.now), tick_key(rank), Event::Tick { rank });
         }
     }
 
@@ -238,7 +261,7 @@ impl Core {
                 self.engines[to].on_message(now, env, &mut out);
                 self.apply(to, &mut out);
             }
-            Event::Timer { slot, .. } => slot.complete(Ok(Response::Done)),
+            Event::Timer { slot } => slot.complete(Ok(Response::Done)),
             Event::Tick { rank } => {
                 if self.tick_at[rank] == Some(now) {
                     self.tick_at[rank] = None;
@@ -288,11 +311,10 @@ impl Port for VirtualPort {
         let mut core = lock(&self.core);
         let slot = Slot::new();
         let at = core.now + d;
-        let rank = self.rank;
         core.schedule(
             at,
+            timer_key(self.rank),
             Event::Timer {
-                rank,
                 slot: Arc::clone(&slot),
             },
         );
@@ -343,7 +365,7 @@ where
     let core = Arc::new(Mutex::new(Core {
         now: Duration::ZERO,
         engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
-        events: BinaryHeap::new(),
+        events: QuaternaryHeap::new(),
         slab: Vec::new(),
         free: Vec::new(),
         seq: 0,
@@ -382,10 +404,15 @@ where
             .map(|c| Some(Box::pin(task(c)) as Task<'_, R>))
             .collect();
         let mut live = ranks;
+        // Swapped with the wakers' list, so that neither allocates once grown.
+        let mut batch: Vec<usize> = Vec::new();
         while live > 0 {
             loop {
-                let mut batch: Vec<usize> =
-                    std::mem::take(&mut *runnable.lock().unwrap_or_else(|e| e.into_inner()));
+                batch.clear();
+                std::mem::swap(
+                    &mut batch,
+                    &mut *runnable.lock().unwrap_or_else(|e| e.into_inner()),
+                );
                 if batch.is_empty() {
                     break;
                 }
@@ -393,7 +420,7 @@ where
                 batch.dedup();
                 let seed = vcfg_seed;
                 batch.sort_by_key(|&id| hash(seed, &[id as u64, 0x7461_736b]));
-                for id in batch {
+                for &id in &batch {
                     let Some(fut) = tasks[id].as_mut() else {
                         continue;
                     };

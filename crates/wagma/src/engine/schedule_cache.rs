@@ -1,0 +1,81 @@
+//! The schedules of the groups a rank averaged in most recently.
+//!
+//! A grouping cycles through a few patterns (log_S P of them), so the same members come back
+//! every few rounds; building their schedule allocates every phase anew, which in the
+//! simulator is a measurable share of each round's cost.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::Rank;
+use crate::schedule::Schedule;
+
+/// How many groups are remembered: the grouping's patterns plus the global sync.
+const CAPACITY: usize = 4;
+
+/// Schedules by the members they sum over and the buffer's length, least recently used first.
+#[derive(Default)]
+pub(super) struct ScheduleCache {
+    entries: VecDeque<(Vec<Rank>, usize, Arc<Schedule>)>,
+}
+
+impl ScheduleCache {
+    /// The schedule over `members` for a buffer of `len` elements, built by `build` unless it
+    /// was among the last ones used.
+    pub fn get_or_build(
+        &mut self,
+        members: &[Rank],
+        len: usize,
+        build: impl FnOnce() -> Schedule,
+    ) -> Arc<Schedule> {
+        if let Some(i) = self
+            .entries
+            .iter()
+            .position(|(m, l, _)| *l == len && m.as_slice() == members)
+            && let Some(entry) = self.entries.remove(i)
+        {
+            let schedule = Arc::clone(&entry.2);
+            self.entries.push_back(entry);
+            return schedule;
+        }
+        let schedule = Arc::new(build());
+        if self.entries.len() == CAPACITY {
+            self.entries.pop_front();
+        }
+        self.entries
+            .push_back((members.to_vec(), len, Arc::clone(&schedule)));
+        schedule
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::recursive_doubling;
+
+    #[test]
+    fn builds_each_group_once_while_it_recurs_and_forgets_the_least_recent() {
+        let mut cache = ScheduleCache::default();
+        let built = std::cell::Cell::new(0);
+        let mut get = |members: &[Rank], len: usize| {
+            cache.get_or_build(members, len, || {
+                built.set(built.get() + 1);
+                recursive_doubling(members[0], members, len)
+            })
+        };
+        let a = get(&[0, 1], 8);
+        let b = get(&[0, 2], 8);
+        assert!(Arc::ptr_eq(&a, &get(&[0, 1], 8)));
+        assert!(Arc::ptr_eq(&b, &get(&[0, 2], 8)));
+        // Another length is another schedule.
+        let c = get(&[0, 1], 16);
+        assert_eq!(c.len, 16);
+        assert_eq!(*a, recursive_doubling(0, &[0, 1], 8));
+        get(&[0, 3], 8);
+        get(&[0, 4], 8);
+        // [0, 1] x 8 was the least recently used of five; [0, 2] x 8 is still remembered.
+        assert!(Arc::ptr_eq(&b, &get(&[0, 2], 8)));
+        assert!(!Arc::ptr_eq(&a, &get(&[0, 1], 8)));
+        assert_eq!(built.get(), 6);
+    }
+}
