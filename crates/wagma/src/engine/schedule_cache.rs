@@ -2,12 +2,14 @@
 //!
 //! A grouping cycles through a few patterns (log_S P of them), so the same members come back
 //! every few rounds; building their schedule allocates every phase anew, which in the
-//! simulator is a measurable share of each round's cost.
+//! simulator is a measurable share of each round's cost. A global sync is remembered by the
+//! job's size, not a list of its P ranks: P such lists in P engines would be P^2 memory in the
+//! simulator.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::Rank;
+use super::run::Members;
 use crate::schedule::Schedule;
 
 /// How many groups are remembered: the grouping's patterns plus the global sync.
@@ -16,7 +18,7 @@ const CAPACITY: usize = 4;
 /// Schedules by the members they sum over and the buffer's length, least recently used first.
 #[derive(Default)]
 pub(super) struct ScheduleCache {
-    entries: VecDeque<(Vec<Rank>, usize, Arc<Schedule>)>,
+    entries: VecDeque<(Members, usize, Arc<Schedule>)>,
 }
 
 impl ScheduleCache {
@@ -24,14 +26,14 @@ impl ScheduleCache {
     /// was among the last ones used.
     pub fn get_or_build(
         &mut self,
-        members: &[Rank],
+        members: &Members,
         len: usize,
         build: impl FnOnce() -> Schedule,
     ) -> Arc<Schedule> {
         if let Some(i) = self
             .entries
             .iter()
-            .position(|(m, l, _)| *l == len && m.as_slice() == members)
+            .position(|(m, l, _)| *l == len && m == members)
             && let Some(entry) = self.entries.remove(i)
         {
             let schedule = Arc::clone(&entry.2);
@@ -43,7 +45,7 @@ impl ScheduleCache {
             self.entries.pop_front();
         }
         self.entries
-            .push_back((members.to_vec(), len, Arc::clone(&schedule)));
+            .push_back((members.clone(), len, Arc::clone(&schedule)));
         schedule
     }
 }
@@ -51,6 +53,7 @@ impl ScheduleCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Rank;
     use crate::schedule::recursive_doubling;
 
     #[test]
@@ -58,7 +61,7 @@ mod tests {
         let mut cache = ScheduleCache::default();
         let built = std::cell::Cell::new(0);
         let mut get = |members: &[Rank], len: usize| {
-            cache.get_or_build(members, len, || {
+            cache.get_or_build(&Members::Group(members.to_vec()), len, || {
                 built.set(built.get() + 1);
                 recursive_doubling(members[0], members, len)
             })
@@ -77,5 +80,23 @@ mod tests {
         assert!(Arc::ptr_eq(&b, &get(&[0, 2], 8)));
         assert!(!Arc::ptr_eq(&a, &get(&[0, 1], 8)));
         assert_eq!(built.get(), 6);
+    }
+
+    #[test]
+    fn the_whole_job_is_its_own_key() {
+        let mut cache = ScheduleCache::default();
+        let all: Vec<Rank> = (0..4).collect();
+        let job = cache.get_or_build(&Members::Job(4), 8, || recursive_doubling(0, &all, 8));
+        assert!(Arc::ptr_eq(
+            &job,
+            &cache.get_or_build(&Members::Job(4), 8, || unreachable!())
+        ));
+        // The same ranks as a group, or another job size, are other keys.
+        let group = cache.get_or_build(&Members::Group(all.clone()), 8, || {
+            recursive_doubling(0, &all, 8)
+        });
+        assert!(!Arc::ptr_eq(&job, &group));
+        let three = cache.get_or_build(&Members::Job(3), 8, || recursive_doubling(0, &all[..3], 8));
+        assert!(!Arc::ptr_eq(&job, &three));
     }
 }

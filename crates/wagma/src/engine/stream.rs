@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::run::Members;
 use super::{Action, Engine, Owner, ReqId, Response, Time};
 use crate::Rank;
 use crate::error::{ConfigError, Error, Op};
@@ -650,18 +651,28 @@ impl Engine {
         } else {
             self.stats.syncs += 1;
         }
-        let schedule = if self.cfg.elastic {
-            let living = members.iter().copied().filter(|&m| !self.dead.contains(m));
-            Arc::new(crate::schedule::exchange_among(rank, living, len))
-        } else {
-            self.round_schedules
-                .get_or_build(&members, len, || allreduce(rank, &members, len, &algorithm))
-        };
         self.watch(now, &members);
+        let (schedule, members) = if self.cfg.elastic {
+            let living = members.iter().copied().filter(|&m| !self.dead.contains(m));
+            let schedule = Arc::new(crate::schedule::exchange_among(rank, living, len));
+            (schedule, Members::Group(members))
+        } else {
+            // A global sync is every rank of the job: its size says so without a list of P.
+            let key = if sync {
+                Members::Job(ranks)
+            } else {
+                Members::Group(members)
+            };
+            let schedule = self.round_schedules.get_or_build(&key, len, || match &key {
+                Members::Group(group) => allreduce(rank, group, len, &algorithm),
+                Members::Job(n) => allreduce(rank, &(0..*n).collect::<Vec<_>>(), len, &algorithm),
+            });
+            (schedule, key)
+        };
         let epoch = self.epoch();
         self.start(
             now,
-            super::run::Members::Group(members),
+            members,
             Owner::Stream { epoch, round },
             op,
             kind,
