@@ -10,10 +10,12 @@ use std::path::PathBuf;
 
 use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
 use wagma::imbalance::{Imbalance, Profile};
+use wagma::topology::GroupingKind;
 use wagma_sim::compute::Compute;
 use wagma_sim::{LogGp, SimSpec, simulate};
 
-/// Every algorithm with its defaults, plus WAGMA's blocking and tau variants.
+/// Every algorithm with its defaults, plus variants of WAGMA's groups and blocking rule,
+/// eager-SGD's sync and SGP's chained pieces.
 fn algorithms() -> Vec<AlgoConfig> {
     let mut v: Vec<AlgoConfig> = Algorithm::NAMES
         .iter()
@@ -28,6 +30,23 @@ fn algorithms() -> Vec<AlgoConfig> {
         wait_avoiding: false,
         ..WagmaOptions::default()
     })));
+    // Groups of two: at P = 32 a butterfly cycles through 5 partitions.
+    v.push(AlgoConfig::new(Algorithm::Wagma(WagmaOptions {
+        group_size: Some(2),
+        ..WagmaOptions::default()
+    })));
+    v.push(AlgoConfig::new(Algorithm::Wagma(WagmaOptions {
+        groups: GroupingKind::Random { seed: 5 },
+        ..WagmaOptions::default()
+    })));
+    // A blocking sync within the run's steps.
+    if let Algorithm::EagerSgd { mode, late, .. } = Algorithm::from_name("eager-sgd").unwrap() {
+        v.push(AlgoConfig::new(Algorithm::EagerSgd {
+            mode,
+            sync_period: Some(5),
+            late,
+        }));
+    }
     let mut pieces = AlgoConfig::new(Algorithm::from_name("sgp").unwrap());
     pieces.exchange_pieces = 3;
     v.push(pieces);
@@ -43,7 +62,7 @@ fn results() -> BTreeMap<String, serde_json::Value> {
         node_limit: true,
     };
     let mut out = BTreeMap::new();
-    for (p, steps, seed) in [(6usize, 30u64, 1u64), (13, 25, 2), (64, 20, 3)] {
+    for (p, steps, seed) in [(6usize, 30u64, 1u64), (13, 25, 2), (32, 20, 4), (64, 20, 3)] {
         for algo in algorithms() {
             if algo.algorithm.validate(p).is_err() {
                 continue;
@@ -63,9 +82,11 @@ fn results() -> BTreeMap<String, serde_json::Value> {
                 seed,
             };
             let r = simulate(&spec).unwrap();
-            out.insert(
-                format!("P={p} {}", algo.label()),
-                serde_json::to_value(&r.stats).unwrap(),
+            let case = format!("P={p} {}", algo.label());
+            let stats = serde_json::to_value(&r.stats).unwrap();
+            assert!(
+                out.insert(case.clone(), stats).is_none(),
+                "two cases are {case}"
             );
         }
     }

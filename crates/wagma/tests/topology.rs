@@ -90,6 +90,20 @@ proptest! {
     }
 
     #[test]
+    fn partitions_repeat_after_the_period(p in 1usize..=130, s_frac in 0.0f64..1.0, start in 0u64..50, fixed: bool) {
+        let s = 1 + ((p - 1) as f64 * s_frac).round() as usize;
+        let kind = if fixed { GroupingKind::Fixed } else { GroupingKind::Butterfly };
+        let g = Grouping::new(p, s, kind).unwrap();
+        let period = g.period().expect("deterministic groupings repeat") as u64;
+        prop_assert!(period >= 1);
+        for t in start..start + period {
+            prop_assert_eq!(g.partition(t), g.partition(t + period), "P={} S={} round {}", p, s, t);
+            prop_assert_eq!(g.partition(t), g.partition(t + 3 * period), "P={} S={} round {}", p, s, t);
+        }
+        prop_assert_eq!(Grouping::new(p, s, GroupingKind::Random { seed: 7 }).unwrap().period(), None);
+    }
+
+    #[test]
     fn random_groups_are_balanced(p in 1usize..=40, s_frac in 0.0f64..1.0, seed: u64, t: u64) {
         let s = 1 + ((p - 1) as f64 * s_frac).round() as usize;
         let g = Grouping::new(p, s, GroupingKind::Random { seed }).unwrap();

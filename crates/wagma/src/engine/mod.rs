@@ -287,7 +287,7 @@ pub struct Engine {
     departed: RankSet,
     /// The sends of a schedule's phase, reused from phase to phase.
     sends: Vec<(Rank, Envelope)>,
-    /// The schedules of this rank's recent rounds.
+    /// The schedules of this rank's recent rounds, sized for the open stream's grouping.
     round_schedules: schedule_cache::ScheduleCache,
     /// Peers declared dead (elastic mode).
     dead: RankSet,

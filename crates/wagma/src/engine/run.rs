@@ -16,7 +16,7 @@ use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 /// The ranks a schedule sums over.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Members {
-    /// Every rank of a job of this many (a collective, whose schedule is the caller's).
+    /// Every rank of a job of this many (a collective, or a round or sync of every rank).
     Job(usize),
     /// A group, sorted.
     Group(Vec<Rank>),

@@ -1,27 +1,47 @@
 //! The schedules of the groups a rank averaged in most recently.
 //!
-//! A grouping cycles through a few patterns (log_S P of them), so the same members come back
-//! every few rounds; building their schedule allocates every phase anew, which in the
-//! simulator is a measurable share of each round's cost. A global sync is remembered by the
-//! job's size, not a list of its P ranks: P such lists in P engines would be P^2 memory in the
-//! simulator.
+//! A butterfly or fixed grouping repeats its partitions every few rounds
+//! ([`Grouping::period`]), so the same members come back; building their schedule allocates
+//! every phase anew, which in the simulator is a measurable share of each round's cost. A
+//! global sync is remembered by the job's size, not a list of its P ranks: P such lists in P
+//! engines would be P^2 memory in the simulator.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::run::Members;
 use crate::schedule::Schedule;
+use crate::topology::Grouping;
 
-/// How many groups are remembered: the grouping's patterns plus the global sync.
-const CAPACITY: usize = 4;
+/// The most schedules remembered; a grouping with a longer period is not cached, since a
+/// least-recently-used cache smaller than a cycle never hits.
+const MAX_CAPACITY: usize = 32;
 
 /// Schedules by the members they sum over and the buffer's length, least recently used first.
 #[derive(Default)]
 pub(super) struct ScheduleCache {
+    capacity: usize,
     entries: VecDeque<(Members, usize, Arc<Schedule>)>,
 }
 
 impl ScheduleCache {
+    /// A cache for the rounds of `grouping`: one entry per partition of its period and one for
+    /// the global sync; none for groupings that do not repeat.
+    pub fn for_grouping(grouping: &Grouping) -> Self {
+        match grouping.period() {
+            Some(period) if period < MAX_CAPACITY => Self::with_capacity(period + 1),
+            _ => Self::default(),
+        }
+    }
+
+    /// A cache of at most `capacity` schedules (none: every schedule is built).
+    fn with_capacity(capacity: usize) -> Self {
+        ScheduleCache {
+            capacity,
+            entries: VecDeque::with_capacity(capacity),
+        }
+    }
+
     /// The schedule over `members` for a buffer of `len` elements, built by `build` unless it
     /// was among the last ones used.
     pub fn get_or_build(
@@ -41,7 +61,10 @@ impl ScheduleCache {
             return schedule;
         }
         let schedule = Arc::new(build());
-        if self.entries.len() == CAPACITY {
+        if self.capacity == 0 {
+            return schedule;
+        }
+        if self.entries.len() == self.capacity {
             self.entries.pop_front();
         }
         self.entries
@@ -58,7 +81,7 @@ mod tests {
 
     #[test]
     fn builds_each_group_once_while_it_recurs_and_forgets_the_least_recent() {
-        let mut cache = ScheduleCache::default();
+        let mut cache = ScheduleCache::with_capacity(4);
         let built = std::cell::Cell::new(0);
         let mut get = |members: &[Rank], len: usize| {
             cache.get_or_build(&Members::Group(members.to_vec()), len, || {
@@ -84,7 +107,7 @@ mod tests {
 
     #[test]
     fn the_whole_job_is_its_own_key() {
-        let mut cache = ScheduleCache::default();
+        let mut cache = ScheduleCache::with_capacity(4);
         let all: Vec<Rank> = (0..4).collect();
         let job = cache.get_or_build(&Members::Job(4), 8, || recursive_doubling(0, &all, 8));
         assert!(Arc::ptr_eq(
@@ -98,5 +121,17 @@ mod tests {
         assert!(!Arc::ptr_eq(&job, &group));
         let three = cache.get_or_build(&Members::Job(3), 8, || recursive_doubling(0, &all[..3], 8));
         assert!(!Arc::ptr_eq(&job, &three));
+    }
+
+    #[test]
+    fn holds_a_grouping_s_period_and_the_sync() {
+        use crate::topology::GroupingKind;
+        let capacity =
+            |p, s, kind| ScheduleCache::for_grouping(&Grouping::new(p, s, kind).unwrap()).capacity;
+        // 32 ranks in groups of 8: windows of 3 of 5 bits repeat every 5 rounds.
+        assert_eq!(capacity(32, 8, GroupingKind::Butterfly), 6);
+        assert_eq!(capacity(16, 4, GroupingKind::Butterfly), 3);
+        assert_eq!(capacity(16, 4, GroupingKind::Fixed), 2);
+        assert_eq!(capacity(16, 4, GroupingKind::Random { seed: 1 }), 0);
     }
 }

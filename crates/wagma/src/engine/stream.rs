@@ -355,6 +355,7 @@ impl Engine {
             return Err(ConfigError::ZeroTau.into());
         }
         let grouping = Grouping::new(self.ranks, cfg.group_size, cfg.grouping)?;
+        self.round_schedules = super::schedule_cache::ScheduleCache::for_grouping(&grouping);
         let initial_len = cfg.initial.len();
         let published = match cfg.mode {
             ContributionMode::Model => cfg.initial,
@@ -657,8 +658,9 @@ impl Engine {
             let schedule = Arc::new(crate::schedule::exchange_among(rank, living, len));
             (schedule, Members::Group(members))
         } else {
-            // A global sync is every rank of the job: its size says so without a list of P.
-            let key = if sync {
+            // A global sync (or a group of every rank) is keyed by the job's size, so that no
+            // engine keeps a list of P ranks.
+            let key = if sync || members.len() == ranks {
                 Members::Job(ranks)
             } else {
                 Members::Group(members)

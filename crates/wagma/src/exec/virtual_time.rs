@@ -11,13 +11,13 @@
 
 use std::cmp::Reverse;
 use std::collections::{HashMap, VecDeque};
-
-use dary_heap::QuaternaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
+
+use dary_heap::QuaternaryHeap;
 
 use super::threaded::collect;
 use super::{Comm, JobResult, Pending, Port, Slot};
@@ -149,9 +149,12 @@ struct Scheduled {
     slot: usize,
 }
 
+/// The latest virtual time an event can have: 2^64 - 1 ns, 584 years. A deadline beyond it
+/// never fires (a job that has nothing else to do then ends as a deadlock).
+const HORIZON: Duration = Duration::from_nanos(u64::MAX);
+
 impl Scheduled {
     fn new(at: Duration, tie: u64, seq: u64, slot: usize) -> Scheduled {
-        // 2^64 ns is 584 years of virtual time.
         let nanos = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX);
         Scheduled {
             key: u128::from(nanos) << 64 | u128::from(tie),
@@ -185,7 +188,7 @@ struct Core {
 }
 
 impl Core {
-    /// Schedules `event`, whose identity (see [`message_key`]; a timer's or tick's rank) is
+    /// Schedules `event`, whose identity ([`message_key`], [`timer_key`] or [`tick_key`]) is
     /// `key`, at `at`.
     fn schedule(&mut self, at: Duration, key: u64, event: Event) {
         let tie = hash(self.seed, &[key, 0x7469_6521]);
@@ -236,6 +239,7 @@ impl Core {
         // that tick, which reschedules (see `handle`).
         let deadline = self.engines[rank].next_deadline();
         if let Some(d) = deadline
+            && d <= HORIZON
             && self.tick_at[rank].is_none_or(|t| d < t)
         {
             self.tick_at[rank] = Some(d);

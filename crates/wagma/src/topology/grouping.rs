@@ -306,6 +306,23 @@ impl Grouping {
             .unwrap_or_else(|| vec![rank])
     }
 
+    /// The number of rounds after which the partitions repeat: round `t + period` has round
+    /// `t`'s groups. `None` for random groupings, which never repeat.
+    pub fn period(&self) -> Option<usize> {
+        match self.kind {
+            GroupingKind::Random { .. } => return None,
+            GroupingKind::Fixed => return Some(1),
+            GroupingKind::Butterfly => {}
+        }
+        Some(match &self.layout {
+            Layout::Trivial => 1,
+            // Round t's window starts at bit t * bits mod total.
+            Layout::Bits { bits, total } => (total / gcd(*bits, *total)) as usize,
+            Layout::Radix { radices, .. } => radices.len(),
+            Layout::Table { rounds, .. } => rounds.len(),
+        })
+    }
+
     /// A number of consecutive rounds after which every rank's model has reached every other
     /// rank (the product of the rounds' averaging matrices has no zero entry), starting at any
     /// round. `None` when that never happens (S = 1 or fixed groups with P > S).
@@ -626,6 +643,10 @@ fn search_schedule(p: usize, s: usize) -> Option<Schedule> {
         }
     }
     None
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Bits of the window used in round `round`: `{(round*bits + j) mod total : j < bits}`.
