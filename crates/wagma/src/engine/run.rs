@@ -23,6 +23,24 @@ pub(super) enum Members {
 }
 
 impl Members {
+    /// The members of a sorted `group` in a job of `ranks`: the job itself when the group holds
+    /// every rank, so that no engine keeps a list of P.
+    pub(super) fn among(ranks: usize, group: Vec<Rank>) -> Self {
+        if group.len() == ranks {
+            Members::Job(ranks)
+        } else {
+            Members::Group(group)
+        }
+    }
+
+    /// The members in ascending order.
+    pub(super) fn ranks(&self) -> std::borrow::Cow<'_, [Rank]> {
+        match self {
+            Members::Job(n) => (0..*n).collect::<Vec<_>>().into(),
+            Members::Group(g) => g.as_slice().into(),
+        }
+    }
+
     fn contains(&self, r: Rank) -> bool {
         match self {
             Members::Job(n) => r < *n,
@@ -549,6 +567,17 @@ mod tests {
         v.iter()
             .map(|&(rank, steps)| Contribution { rank, steps })
             .collect()
+    }
+
+    #[test]
+    fn a_group_of_every_rank_is_the_job() {
+        assert_eq!(Members::among(4, vec![0, 1, 2, 3]), Members::Job(4));
+        assert_eq!(
+            Members::among(5, vec![0, 1, 2, 3]),
+            Members::Group(vec![0, 1, 2, 3])
+        );
+        assert_eq!(&*Members::Job(3).ranks(), &[0, 1, 2]);
+        assert_eq!(&*Members::Group(vec![1, 4]).ranks(), &[1, 4]);
     }
 
     #[test]

@@ -658,18 +658,11 @@ impl Engine {
             let schedule = Arc::new(crate::schedule::exchange_among(rank, living, len));
             (schedule, Members::Group(members))
         } else {
-            // A global sync (or a group of every rank) is keyed by the job's size, so that no
-            // engine keeps a list of P ranks.
-            let key = if sync || members.len() == ranks {
-                Members::Job(ranks)
-            } else {
-                Members::Group(members)
-            };
-            let schedule = self.round_schedules.get_or_build(&key, len, || match &key {
-                Members::Group(group) => allreduce(rank, group, len, &algorithm),
-                Members::Job(n) => allreduce(rank, &(0..*n).collect::<Vec<_>>(), len, &algorithm),
+            let members = Members::among(ranks, members);
+            let schedule = self.round_schedules.get_or_build(&members, len, || {
+                allreduce(rank, &members.ranks(), len, &algorithm)
             });
-            (schedule, key)
+            (schedule, members)
         };
         let epoch = self.epoch();
         self.start(
