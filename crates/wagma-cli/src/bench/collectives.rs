@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use wagma::engine::{ContributionMode, ReadMode, Trigger};
 use wagma::schedule::{self, AlgorithmChoice, AllreduceAlgorithm};
 use wagma::topology::{Grouping, GroupingKind, default_group_size, ring_neighbors};
-use wagma::{Comm, Payload, StreamConfig};
+use wagma::{Comm, Payload, RoundResult, StreamConfig};
 
 use super::{TransportKind, median};
 
@@ -63,8 +63,9 @@ pub struct Row {
     pub bus_gb_per_s: f64,
     /// Algorithm bandwidth relative to the memcpy of the same buffer.
     pub vs_memcpy: f64,
-    /// In-process transport: the algorithm bandwidth that memory traffic allows (the
-    /// reductions' reads and writes at memcpy's rate), in GB/s.
+    /// In-process transport: the algorithm bandwidth that memory traffic allows, in GB/s: the
+    /// busiest rank's reads and writes at the fastest memcpy's rate, or every rank's at the
+    /// rate of the fastest memcpys on all the cores they share, whichever is lower.
     pub memory_bound_gb_per_s: Option<f64>,
     /// Messages each rank sends (rank 0).
     pub messages_per_rank: usize,
@@ -85,6 +86,9 @@ pub struct Report {
     pub buffer_bytes: usize,
     /// memcpy of the same buffer, GB/s.
     pub memcpy_gb_per_s: f64,
+    /// In-process transport: the copy rates of the memory bound.
+    #[serde(default)]
+    pub memory_rates: Option<MemoryRates>,
     /// TCP transport: one loopback TCP stream carrying the buffer, GB/s.
     pub loopback_gb_per_s: Option<f64>,
     /// TCP transport: the rate of each of P loopback streams that carry the buffer at the same
@@ -94,6 +98,17 @@ pub struct Report {
     pub concurrent_loopback_gb_per_s: Option<f64>,
     /// Measurements.
     pub rows: Vec<Row>,
+}
+
+/// The fastest memcpys of the buffer seen, that the in-process memory bound uses.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct MemoryRates {
+    /// One thread copying, GB/s.
+    pub one_gb_per_s: f64,
+    /// Threads copying at once (the cores the ranks share, at most one per rank).
+    pub threads: usize,
+    /// Those threads' rates summed, GB/s.
+    pub all_gb_per_s: f64,
 }
 
 struct Case {
@@ -167,7 +182,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    let memcpy = memcpy_gb_per_s(args.elements, args.reps.max(3));
+    let reps = args.reps.max(3);
+    let (memcpy, fastest) = memcpy_gb_per_s(args.elements, reps, 1);
+    // The ranks of the in-process transport share this process's cores. A bound takes the
+    // fastest copies seen: a busy moment on a shared machine must not lower it.
+    let memory = (args.transport == TransportKind::Mem).then(|| {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = cores.min(args.ranks).max(1);
+        MemoryRates {
+            one_gb_per_s: fastest,
+            threads,
+            all_gb_per_s: memcpy_gb_per_s(args.elements, 3 * reps, threads).1,
+        }
+    });
     let (loopback, concurrent) = match args.transport {
         TransportKind::Tcp => {
             let (bytes, reps) = (args.elements * 4, args.reps.max(3));
@@ -178,7 +205,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         _ => (None, None),
     };
-    let mut report = build_report(&args, s, memcpy, loopback, times);
+    let mut report = build_report(&args, s, memcpy, memory, loopback, times);
     if let Some(gb) = concurrent {
         report.concurrent_loopback_gb_per_s = Some(gb);
         report.rows.push(stream_row(
@@ -198,19 +225,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn memcpy_gb_per_s(n: usize, reps: usize) -> f64 {
-    let src = vec![1.0f32; n];
-    let mut dst = vec![0.0f32; n];
-    let mut times: Vec<f64> = (0..reps + 1)
-        .map(|_| {
-            let t = Instant::now();
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&mut dst);
-            t.elapsed().as_secs_f64()
-        })
-        .skip(1)
-        .collect();
-    (n * 4) as f64 / median(&mut times) / 1e9
+/// The rate of memcpy of an `n`-element buffer, in buffer bytes per second summed over
+/// `threads` threads copying buffers of their own at the same time, over `reps` rounds after
+/// a first: the median round's and the fastest round's, GB/s.
+fn memcpy_gb_per_s(n: usize, reps: usize, threads: usize) -> (f64, f64) {
+    let round = std::sync::Barrier::new(threads);
+    let mut times = std::thread::scope(|scope| {
+        let copiers: Vec<_> = (0..threads)
+            .map(|_| {
+                let round = &round;
+                scope.spawn(move || {
+                    let src = vec![1.0f32; n];
+                    let mut dst = vec![0.0f32; n];
+                    (0..reps + 1)
+                        .map(|_| {
+                            round.wait();
+                            let t = Instant::now();
+                            dst.copy_from_slice(std::hint::black_box(&src));
+                            std::hint::black_box(&mut dst);
+                            let dt = t.elapsed().as_secs_f64();
+                            // A round lasts until its slowest copy ends.
+                            round.wait();
+                            dt
+                        })
+                        .skip(1)
+                        .collect::<Vec<f64>>()
+                })
+            })
+            .collect();
+        let mut slowest = vec![0.0f64; reps];
+        for c in copiers {
+            // A copier cannot panic short of an allocation failure, which aborts anyway.
+            let times = c.join().unwrap_or_default();
+            for (s, t) in slowest.iter_mut().zip(times) {
+                *s = s.max(t);
+            }
+        }
+        slowest
+    });
+    let rate = |t: f64| (threads * n * 4) as f64 / t / 1e9;
+    let fastest = times.iter().copied().fold(f64::INFINITY, f64::min);
+    (rate(median(&mut times)), rate(fastest))
 }
 
 /// `streams` TCP connections on loopback, each with a thread writing the buffer `reps + 1`
@@ -313,6 +368,12 @@ fn in_process_traffic(sched: &schedule::Schedule) -> usize {
     sched.reduction_traffic() + if gathered { 2 * len * 4 } else { 0 }
 }
 
+/// What a timed collective hands back.
+enum Finished {
+    Buffer(Payload),
+    Round(RoundResult),
+}
+
 /// Per case, the median over repetitions of the slowest rank's time.
 async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma::Error> {
     let (p, rank, n) = (c.size(), c.rank(), args.elements);
@@ -344,52 +405,111 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma:
                 ..AlgorithmChoice::default()
             };
             seq += 1;
-            let (out, dt) = match case.name {
+            // What each case returns is turned into the next repetition's input only after
+            // every rank has stopped its clock: untimed work on one rank must not compete for
+            // the cores with a rank still inside the timed region.
+            let (finished, dt) = match case.name {
                 "allreduce" => {
                     let d = c
                         .allreduce_with(&everyone, seq, data, 0, &choice)
                         .await?
                         .data;
-                    (d, t0.elapsed())
+                    (Finished::Buffer(d), t0.elapsed())
                 }
                 "group-allreduce" => {
                     let d = c.allreduce_with(&group, seq, data, 0, &choice).await?.data;
-                    (d, t0.elapsed())
+                    (Finished::Buffer(d), t0.elapsed())
                 }
                 "wait-avoiding-round" => {
                     let r = c.arrive(round, data, round + 1).await?;
                     let dt = t0.elapsed();
                     round += 1;
-                    // The stream keeps the published buffer; the next contribution is a copy
-                    // of the shared result, taken outside the timed region.
-                    let next = r.sum.duplicate();
-                    r.recycle();
-                    (next, dt)
+                    (Finished::Round(r), dt)
                 }
                 _ => {
                     let nb = ring_neighbors(rank, p);
                     let d = c.exchange(seq, &nb, &nb, data, 0.0, 0).await?.data;
-                    (d, t0.elapsed())
+                    (Finished::Buffer(d), t0.elapsed())
                 }
             };
-            data = out;
-            let dt = dt.as_secs_f64();
-            // Keep values bounded without timing it.
-            data.scale(1.0 / p as f32);
-            let slowest = super::slowest(c, dt).await?;
+            let slowest = super::slowest(c, dt.as_secs_f64()).await?;
             if rep >= args.warmup {
                 times.push(slowest);
             }
+            data = match finished {
+                Finished::Buffer(d) => d,
+                // The stream keeps the published buffer; the next contribution is a copy of
+                // the shared result.
+                Finished::Round(r) => {
+                    let next = r.sum.duplicate();
+                    r.recycle();
+                    next
+                }
+            };
+            // Keep values bounded.
+            data.scale(1.0 / p as f32);
         }
         medians.push(median(&mut times));
     }
     Ok(medians)
 }
 
+/// A case's collective as rank `rank` runs it: members of one instance, the rank's schedule,
+/// and the least bytes it must send.
+fn case_schedule(
+    case: &Case,
+    rank: usize,
+    p: usize,
+    grouping: Option<&Grouping>,
+    len: usize,
+    choice: &AlgorithmChoice,
+) -> (usize, schedule::Schedule, usize) {
+    let bytes = len * 4;
+    match case.name {
+        "allreduce" => {
+            let everyone: Vec<usize> = (0..p).collect();
+            (
+                p,
+                schedule::allreduce(rank, &everyone, len, choice),
+                optimal_allreduce_bytes(p, bytes),
+            )
+        }
+        "neighbour-exchange" => {
+            let nb = ring_neighbors(rank, p);
+            (
+                nb.len() + 1,
+                schedule::exchange(&nb, &nb, len),
+                nb.len() * bytes,
+            )
+        }
+        _ => {
+            let group = grouping.map_or_else(|| vec![rank], |g| g.group_of(rank, 0));
+            (
+                group.len(),
+                schedule::allreduce(rank, &group, len, choice),
+                optimal_allreduce_bytes(group.len(), bytes),
+            )
+        }
+    }
+}
+
+/// The algorithm bandwidth that memory traffic allows the in-process transport, in GB/s: the
+/// busiest rank's reads and writes at one memcpy's rate, and every rank's at the rate of
+/// memcpys on all the cores the ranks share, whichever takes longer. memcpy moves 2 bytes of
+/// traffic per byte of buffer.
+fn memory_bound_gb_per_s(bytes: usize, traffic: &[usize], rates: &MemoryRates) -> Option<f64> {
+    let busiest = traffic.iter().copied().max().filter(|&t| t > 0)?;
+    let total: usize = traffic.iter().sum();
+    let seconds = |traffic: usize, gb: f64| traffic as f64 / (2.0 * gb * 1e9);
+    let t = seconds(busiest, rates.one_gb_per_s).max(seconds(total, rates.all_gb_per_s));
+    Some(bytes as f64 / t / 1e9)
+}
+
 fn build_report(
     args: &Args,
     s: usize,
     memcpy: f64,
+    memory: Option<MemoryRates>,
     loopback: Option<f64>,
     times: Vec<f64>,
 ) -> Report {
@@ -397,9 +517,9 @@ fn build_report(
     let bytes = args.elements * 4;
     let grouping = Grouping::new(p, s, GroupingKind::Butterfly).ok();
     let group = grouping
+        .as_ref()
         .map(|g| g.group_of(0, 0))
         .unwrap_or_else(|| vec![0]);
-    let everyone: Vec<usize> = (0..p).collect();
     let baselines: Vec<(String, usize, f64)> = times
         .iter()
         .skip(CASES.len())
@@ -412,34 +532,24 @@ fn build_report(
         .map(|(case, t)| {
             let choice = AlgorithmChoice {
                 algorithm: case.algorithm.unwrap_or_default(),
+                // As the threaded executor sets it for the streams' rounds.
+                shared_memory: args.transport == TransportKind::Mem,
                 ..AlgorithmChoice::default()
             };
-            let (members, sched, optimal) = match case.name {
-                "allreduce" => (
-                    p,
-                    schedule::allreduce(0, &everyone, args.elements, &choice),
-                    optimal_allreduce_bytes(p, bytes),
-                ),
-                "neighbour-exchange" => {
-                    let nb = ring_neighbors(0, p);
-                    (
-                        nb.len() + 1,
-                        schedule::exchange(&nb, &nb, args.elements),
-                        nb.len() * bytes,
-                    )
-                }
-                _ => (
-                    group.len(),
-                    schedule::allreduce(0, &group, args.elements, &choice),
-                    optimal_allreduce_bytes(group.len(), bytes),
-                ),
-            };
+            let (members, sched, optimal) =
+                case_schedule(case, 0, p, grouping.as_ref(), args.elements, &choice);
             let cost = sched.cost();
             let gb = bytes as f64 / t / 1e9;
-            // Reading and writing at memcpy's rate: memcpy moves 2 bytes of traffic per byte.
-            let traffic = in_process_traffic(&sched);
-            let memory_bound = (args.transport == TransportKind::Mem && traffic > 0)
-                .then(|| memcpy * 2.0 * bytes as f64 / traffic as f64);
+            let memory_bound = memory.as_ref().and_then(|rates| {
+                let traffic: Vec<usize> = (0..p)
+                    .map(|r| {
+                        let (_, sched, _) =
+                            case_schedule(case, r, p, grouping.as_ref(), args.elements, &choice);
+                        in_process_traffic(&sched)
+                    })
+                    .collect();
+                memory_bound_gb_per_s(bytes, &traffic, rates)
+            });
             Row {
                 collective: case.name.into(),
                 algorithm: algo_name(case.algorithm),
@@ -487,6 +597,7 @@ fn build_report(
         group_size: s,
         buffer_bytes: bytes,
         memcpy_gb_per_s: memcpy,
+        memory_rates: memory,
         loopback_gb_per_s: loopback,
         concurrent_loopback_gb_per_s: None,
         rows,
@@ -538,6 +649,14 @@ fn print_table(r: &Report) {
          for an allreduce of n); x optimal: bytes sent over that least"
     );
     let mem = r.args.transport == TransportKind::Mem;
+    if let Some(m) = r.memory_rates {
+        println!(
+            "memory bound: the busiest rank's reads and writes at one memcpy's rate, or every \
+             rank's at the rate of {} memcpys at once, whichever takes longer (fastest copies \
+             seen: one {:.2} GB/s, {} at once {:.2} GB/s in all)",
+            m.threads, m.one_gb_per_s, m.threads, m.all_gb_per_s
+        );
+    }
     let mut header = vec![
         "collective",
         "algorithm",
@@ -610,4 +729,45 @@ fn mpi_baselines(rank: usize, _args: &Args, _s: usize) -> Result<Vec<f64>, wagma
         rank,
         message: "this wagma was built without MPI support".into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_bound_counts_the_cores_the_ranks_share() {
+        let gb = 1e9 as usize;
+        // A core per rank: the busiest rank's traffic decides (3 GB at 2 GB/s of traffic).
+        let rates = |one, all| MemoryRates {
+            one_gb_per_s: one,
+            threads: 2,
+            all_gb_per_s: all,
+        };
+        let one_each = memory_bound_gb_per_s(gb, &[3 * gb, gb], &rates(1.0, 2.0)).unwrap();
+        assert!((one_each - 1.0 / 1.5).abs() < 1e-12, "{one_each}");
+        // Four ranks on two cores that copy 1.6 GB/s together: 12 GB at 3.2 GB/s of traffic.
+        let shared = memory_bound_gb_per_s(gb, &[3 * gb; 4], &rates(1.0, 1.6)).unwrap();
+        assert!((shared - 1.0 / 3.75).abs() < 1e-12, "{shared}");
+        assert_eq!(memory_bound_gb_per_s(gb, &[0, 0], &rates(1.0, 2.0)), None);
+    }
+
+    #[test]
+    fn the_bound_uses_every_ranks_schedule() {
+        // Reduce-broadcast in pairs: the lowest member of each pair does all the reducing.
+        let grouping = Grouping::new(4, 2, GroupingKind::Butterfly).unwrap();
+        let case = &CASES[4];
+        let choice = AlgorithmChoice {
+            algorithm: AllreduceAlgorithm::ReduceBroadcast,
+            ..AlgorithmChoice::default()
+        };
+        let traffic: Vec<usize> = (0..4)
+            .map(|r| {
+                in_process_traffic(&case_schedule(case, r, 4, Some(&grouping), 100, &choice).1)
+            })
+            .collect();
+        let roots: Vec<usize> = (0..4).filter(|&r| traffic[r] > 0).collect();
+        assert_eq!(roots.len(), 2, "{traffic:?}");
+        assert_eq!(traffic[roots[0]], traffic[roots[1]]);
+    }
 }
