@@ -197,7 +197,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     let (loopback, concurrent) = match args.transport {
         TransportKind::Tcp => {
-            let (bytes, reps) = (args.elements * 4, args.reps.max(3));
+            let bytes = args.elements * 4;
             (
                 Some(loopback_gb_per_s(bytes, 1, reps)?),
                 Some(loopback_gb_per_s(bytes, args.ranks, reps)?),
