@@ -648,7 +648,8 @@ fn print_table(r: &Report) {
         "algbw: buffer bytes / time; busbw: least bytes a rank sends / time (2(n-1)/n buffers \
          for an allreduce of n); x optimal: bytes sent over that least"
     );
-    let mem = r.args.transport == TransportKind::Mem;
+    // The bound columns exist where the bound was computed.
+    let mem = r.memory_rates.is_some();
     if let Some(m) = r.memory_rates {
         println!(
             "memory bound: the busiest rank's reads and writes at one memcpy's rate, or every \
