@@ -21,6 +21,7 @@ pub mod error;
 pub mod exec;
 pub mod imbalance;
 pub mod payload;
+pub(crate) mod prefetch;
 pub mod schedule;
 pub mod topology;
 pub mod trace;

@@ -10,6 +10,7 @@ use super::{ReqId, Time};
 use crate::Rank;
 use crate::error::{Error, Op};
 use crate::payload::Payload;
+use crate::prefetch::{prefetch, prefetch_slice};
 use crate::schedule::{Combine, Schedule};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
@@ -141,6 +142,32 @@ impl Running {
             waiting: 0,
             index: HashMap::new(),
             stall_reports: 0,
+        }
+    }
+
+    /// Prefetch hints for a message about to arrive, one level of pointers at a time (see
+    /// [`super::Engine::prefetch`]): 3, this run's own buffers; 4, its current phase; 5, that
+    /// phase's transfers.
+    pub fn prefetch(&self, level: u8) {
+        match level {
+            3 => {
+                prefetch(&*self.schedule, 0..1);
+                prefetch_slice(&self.got, 2);
+                prefetch_slice(&self.absent, 1);
+                prefetch_slice(&self.contributions, 2);
+            }
+            4 => {
+                if let Some(phase) = self.schedule.phases.get(self.phase) {
+                    prefetch(phase, 0..2);
+                }
+            }
+            5 => {
+                if let Some(phase) = self.schedule.phases.get(self.phase) {
+                    prefetch_slice(&phase.recvs, 2);
+                    prefetch_slice(&phase.sends, 2);
+                }
+            }
+            _ => {}
         }
     }
 

@@ -115,7 +115,7 @@ impl VirtualConfig {
 
 enum Event {
     Deliver { to: Rank, env: Envelope },
-    Timer { slot: Arc<Slot> },
+    Timer { slot: Arc<Slot>, rank: Rank },
     Tick { rank: Rank },
 }
 
@@ -153,6 +153,13 @@ struct Scheduled {
 /// never fires (a job that has nothing else to do then ends as a deadlock).
 const HORIZON: Duration = Duration::from_nanos(u64::MAX);
 
+/// How many of the earliest events the core takes out of the heap ahead of time: each event's
+/// memory is prefetched one level of pointers per event handled before it, first its slab
+/// entry, then its engine's levels 0 to `LOOKAHEAD - 2` (see [`Engine::prefetch`]). Each message
+/// reaches a different one of thousands of engines, and without this each level was a cache
+/// miss (1.1-1.2x faster at 1,024 and 4,096 simulated ranks).
+const LOOKAHEAD: usize = 7;
+
 impl Scheduled {
     fn new(at: Duration, tie: u64, seq: u64, slot: usize) -> Scheduled {
         let nanos = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX);
@@ -172,6 +179,10 @@ struct Core {
     now: Duration,
     engines: Vec<Engine>,
     events: QuaternaryHeap<Reverse<Scheduled>>,
+    /// The earliest events taken out of `events` ahead of time, in order. An event scheduled
+    /// since may come before them, so the next event is the earlier of this queue's front and
+    /// the heap's top: the order is exactly the heap's.
+    ahead: VecDeque<Scheduled>,
     /// The events of `events`, by `Scheduled::slot`.
     slab: Vec<Option<Event>>,
     /// Free entries of `slab`.
@@ -209,10 +220,49 @@ impl Core {
 
     /// The earliest event, with the clock moved to it.
     fn next_event(&mut self) -> Option<Event> {
-        let Reverse(s) = self.events.pop()?;
+        while self.ahead.len() < LOOKAHEAD {
+            let Some(Reverse(s)) = self.events.pop() else {
+                break;
+            };
+            // Sorted insertion: the heap's top may precede events taken earlier.
+            let at = self.ahead.partition_point(|a| *a < s);
+            self.ahead.insert(at, s);
+        }
+        let s = match (self.ahead.front(), self.events.peek()) {
+            (Some(a), Some(Reverse(h))) if h < a => self.events.pop().map(|Reverse(s)| s),
+            _ => self.ahead.pop_front(),
+        }?;
+        self.prefetch_ahead();
         self.now = self.now.max(s.at());
         self.free.push(s.slot);
         self.slab[s.slot].take()
+    }
+
+    /// Prefetches the events taken ahead: the last one's entry in the slab, and one level of
+    /// pointers deeper for each event closer to the front (its message, then its engine's).
+    fn prefetch_ahead(&self) {
+        for (i, s) in self.ahead.iter().enumerate() {
+            let Some(entry) = self.slab.get(s.slot) else {
+                continue;
+            };
+            let Some(level) = (LOOKAHEAD - 1 - i).checked_sub(1) else {
+                crate::prefetch::prefetch(entry, 0..2);
+                continue;
+            };
+            let rank = match entry {
+                Some(Event::Deliver { to, env }) => {
+                    if level == 0 {
+                        crate::prefetch::prefetch_slice(&env.meta.contributions, 2);
+                    }
+                    *to
+                }
+                Some(Event::Timer { rank, .. } | Event::Tick { rank }) => *rank,
+                None => continue,
+            };
+            if let Some(engine) = self.engines.get(rank) {
+                engine.prefetch(level as u8);
+            }
+        }
     }
 
     fn apply(&mut self, rank: Rank, out: &mut Vec<Action>) {
@@ -265,7 +315,7 @@ impl Core {
                 self.engines[to].on_message(now, env, &mut out);
                 self.apply(to, &mut out);
             }
-            Event::Timer { slot } => slot.complete(Ok(Response::Done)),
+            Event::Timer { slot, .. } => slot.complete(Ok(Response::Done)),
             Event::Tick { rank } => {
                 if self.tick_at[rank] == Some(now) {
                     self.tick_at[rank] = None;
@@ -320,6 +370,7 @@ impl Port for VirtualPort {
             timer_key(self.rank),
             Event::Timer {
                 slot: Arc::clone(&slot),
+                rank: self.rank,
             },
         );
         Pending::new(slot)
@@ -370,6 +421,7 @@ where
         now: Duration::ZERO,
         engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
         events: QuaternaryHeap::new(),
+        ahead: VecDeque::with_capacity(LOOKAHEAD),
         slab: Vec::new(),
         free: Vec::new(),
         seq: 0,
@@ -480,4 +532,92 @@ where
             })
             .collect(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core(ranks: usize) -> Core {
+        Core {
+            now: Duration::ZERO,
+            engines: (0..ranks)
+                .map(|r| Engine::new(r, ranks, EngineConfig::default()))
+                .collect(),
+            events: QuaternaryHeap::new(),
+            ahead: VecDeque::new(),
+            slab: Vec::new(),
+            free: Vec::new(),
+            seq: 0,
+            seed: 7,
+            network: Box::new(JitterNetwork::default()),
+            slots: (0..ranks).map(|_| HashMap::new()).collect(),
+            next_req: 0,
+            submitted: VecDeque::new(),
+            tick_at: vec![None; ranks],
+            out: Vec::new(),
+        }
+    }
+
+    fn tick(core: &mut Core, micros: u64, rank: Rank) {
+        let at = Duration::from_micros(micros);
+        core.schedule(at, tick_key(rank), Event::Tick { rank });
+    }
+
+    /// Pops every event, returning (time in microseconds, rank).
+    fn drain(core: &mut Core) -> Vec<(u128, Rank)> {
+        std::iter::from_fn(|| {
+            core.next_event().map(|e| match e {
+                Event::Tick { rank } => (core.now.as_micros(), rank),
+                _ => (u128::MAX, usize::MAX),
+            })
+        })
+        .collect()
+    }
+
+    #[test]
+    fn events_scheduled_after_the_lookahead_was_filled_still_come_in_time_order() {
+        let mut c = core(4);
+        for t in 0..2 * LOOKAHEAD as u64 {
+            tick(&mut c, 10 + 2 * t, t as usize % 4);
+        }
+        // Fills the lookahead with the earliest events, then schedules some before, between
+        // and after them.
+        let first = c.next_event().map(|_| c.now.as_micros());
+        assert_eq!(first, Some(10));
+        assert_eq!(c.ahead.len(), LOOKAHEAD - 1);
+        tick(&mut c, 11, 3);
+        tick(&mut c, 13, 2);
+        tick(&mut c, 10, 1);
+        tick(&mut c, 1_000, 0);
+        let times: Vec<u128> = drain(&mut c).into_iter().map(|(t, _)| t).collect();
+        let mut expected: Vec<u128> = (1..2 * LOOKAHEAD as u128).map(|t| 10 + 2 * t).collect();
+        expected.extend([10, 11, 13, 1_000]);
+        expected.sort_unstable();
+        assert_eq!(times, expected);
+        assert!(c.ahead.is_empty() && c.events.is_empty());
+    }
+
+    #[test]
+    fn ties_are_broken_as_without_the_lookahead() {
+        // The same events through the core and through the heap alone: the same order.
+        let mut c = core(8);
+        let mut heap = QuaternaryHeap::new();
+        for (i, rank) in [5, 3, 7, 1, 0, 6, 2, 4, 5, 3].into_iter().enumerate() {
+            let micros = 20 + (i as u64 % 3);
+            tick(&mut c, micros, rank);
+            let tie = hash(c.seed, &[tick_key(rank), 0x7469_6521]);
+            heap.push(Reverse(Scheduled::new(
+                Duration::from_micros(micros),
+                tie,
+                i as u64 + 1,
+                i,
+            )));
+        }
+        let order: Vec<usize> = std::iter::from_fn(|| heap.pop().map(|Reverse(s)| s.slot))
+            .map(|slot| [5, 3, 7, 1, 0, 6, 2, 4, 5, 3][slot])
+            .collect();
+        let got: Vec<Rank> = drain(&mut c).into_iter().map(|(_, r)| r).collect();
+        assert_eq!(got, order);
+    }
 }
