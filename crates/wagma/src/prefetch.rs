@@ -1,23 +1,25 @@
 //! Cache prefetch hints: the virtual-time executor knows which engines its next events reach
 //! and asks the processor to start loading their memory while it handles the current event.
 
+use std::ops::Range;
+
 /// Asks the processor to start loading the cache lines `lines` of `value` (those that exist)
 /// without waiting for them. A hint only: it reads nothing, so it cannot change a result.
 #[inline]
-pub(crate) fn prefetch<T>(value: &T, lines: std::ops::Range<usize>) {
-    let start = (value as *const T).cast::<u8>();
-    let end = lines.end.min(std::mem::size_of::<T>().div_ceil(64));
-    for i in lines.start..end {
-        prefetch_line(start.wrapping_add(i * 64));
-    }
+pub(crate) fn prefetch<T>(value: &T, lines: Range<usize>) {
+    prefetch_bytes((value as *const T).cast(), size_of::<T>(), lines);
 }
 
 /// Asks the processor to start loading the first `max_lines` cache lines of `items`.
 #[inline]
 pub(crate) fn prefetch_slice<T>(items: &[T], max_lines: usize) {
-    let start = items.as_ptr().cast::<u8>();
-    let lines = std::mem::size_of_val(items).div_ceil(64).min(max_lines);
-    for i in 0..lines {
+    prefetch_bytes(items.as_ptr().cast(), size_of_val(items), 0..max_lines);
+}
+
+/// The cache lines `lines` of the `len` bytes at `start`, those that exist.
+#[inline]
+fn prefetch_bytes(start: *const u8, len: usize, lines: Range<usize>) {
+    for i in lines.start..lines.end.min(len.div_ceil(64)) {
         prefetch_line(start.wrapping_add(i * 64));
     }
 }

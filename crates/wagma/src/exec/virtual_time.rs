@@ -199,6 +199,26 @@ struct Core {
 }
 
 impl Core {
+    /// The engines of `ranks` ranks at time zero, with nothing scheduled.
+    fn new(ranks: usize, cfg: EngineConfig, vcfg: VirtualConfig) -> Core {
+        Core {
+            now: Duration::ZERO,
+            engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
+            events: QuaternaryHeap::new(),
+            ahead: VecDeque::with_capacity(LOOKAHEAD),
+            slab: Vec::new(),
+            free: Vec::new(),
+            seq: 0,
+            seed: vcfg.seed,
+            network: vcfg.network,
+            slots: (0..ranks).map(|_| HashMap::new()).collect(),
+            next_req: 0,
+            submitted: VecDeque::new(),
+            tick_at: vec![None; ranks],
+            out: Vec::new(),
+        }
+    }
+
     /// Schedules `event`, whose identity ([`message_key`], [`timer_key`] or [`tick_key`]) is
     /// `key`, at `at`.
     fn schedule(&mut self, at: Duration, key: u64, event: Event) {
@@ -245,6 +265,7 @@ impl Core {
             let Some(entry) = self.slab.get(s.slot) else {
                 continue;
             };
+            // Events handled before this one: the last event taken gets its slab entry only.
             let Some(level) = (LOOKAHEAD - 1 - i).checked_sub(1) else {
                 crate::prefetch::prefetch(entry, 0..2);
                 continue;
@@ -417,22 +438,7 @@ where
         return Err(ConfigError::ZeroRanks);
     }
     let vcfg_seed = vcfg.seed;
-    let core = Arc::new(Mutex::new(Core {
-        now: Duration::ZERO,
-        engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
-        events: QuaternaryHeap::new(),
-        ahead: VecDeque::with_capacity(LOOKAHEAD),
-        slab: Vec::new(),
-        free: Vec::new(),
-        seq: 0,
-        seed: vcfg.seed,
-        network: vcfg.network,
-        slots: (0..ranks).map(|_| HashMap::new()).collect(),
-        next_req: 0,
-        submitted: VecDeque::new(),
-        tick_at: vec![None; ranks],
-        out: Vec::new(),
-    }));
+    let core = Arc::new(Mutex::new(Core::new(ranks, cfg, vcfg)));
     let mut comms: Vec<Comm> = (0..ranks)
         .map(|rank| {
             let port = VirtualPort {
@@ -539,24 +545,7 @@ mod tests {
     use super::*;
 
     fn core(ranks: usize) -> Core {
-        Core {
-            now: Duration::ZERO,
-            engines: (0..ranks)
-                .map(|r| Engine::new(r, ranks, EngineConfig::default()))
-                .collect(),
-            events: QuaternaryHeap::new(),
-            ahead: VecDeque::new(),
-            slab: Vec::new(),
-            free: Vec::new(),
-            seq: 0,
-            seed: 7,
-            network: Box::new(JitterNetwork::default()),
-            slots: (0..ranks).map(|_| HashMap::new()).collect(),
-            next_req: 0,
-            submitted: VecDeque::new(),
-            tick_at: vec![None; ranks],
-            out: Vec::new(),
-        }
+        Core::new(ranks, EngineConfig::default(), VirtualConfig::seeded(7))
     }
 
     fn tick(core: &mut Core, micros: u64, rank: Rank) {
