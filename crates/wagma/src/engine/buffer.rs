@@ -80,30 +80,31 @@ impl WorkBuf {
     }
 
     /// Sets `range` to the sum of this rank's values and `others`, folded left in ascending
-    /// rank order: `((x_a + x_b) + x_c) + ...`.
-    pub fn sum(&mut self, rank: Rank, range: Range<usize>, others: Vec<(Rank, Payload)>) {
+    /// rank order: `((x_a + x_b) + x_c) + ...`. Leaves `others` empty (its capacity is the
+    /// caller's to reuse).
+    pub fn sum(&mut self, rank: Rank, range: Range<usize>, others: &mut Vec<(Rank, Payload)>) {
         if others.is_empty() {
             return;
         }
         if self.virtual_ {
-            others.into_iter().for_each(|(_, p)| p.recycle());
+            others.drain(..).for_each(|(_, p)| p.recycle());
             return;
         }
         let (mine, exclusive) = self.part(&range);
-        let mut items = others;
+        let items = others;
         items.push((rank, mine));
         items.sort_by_key(|(r, _)| *r);
         let own = items.iter().position(|(r, _)| *r == rank).unwrap_or(0);
         let result = if exclusive && own <= 1 {
             // (a + b) == (b + a) bit for bit: add into our own buffer.
             let (_, mut acc) = items.remove(own);
-            for (_, p) in items {
+            for (_, p) in items.drain(..) {
                 acc.add(&p);
                 p.recycle();
             }
             acc
         } else {
-            let mut it = items.into_iter();
+            let mut it = items.drain(..);
             let first = it.next().map(|(_, p)| p).unwrap_or_default();
             match it.next() {
                 None => first,
@@ -171,19 +172,19 @@ mod tests {
     fn sums_in_rank_order_and_tiles() {
         let mut b = WorkBuf::new(Payload::Data(vec![1.0, 2.0, 3.0, 4.0]));
         let sent = b.view(2..4);
-        b.sum(
-            1,
-            0..2,
-            vec![
-                (0, Payload::Data(vec![10.0, 20.0])),
-                (2, Payload::Data(vec![100.0, 200.0])),
-            ],
-        );
+        let mut others = vec![
+            (0, Payload::Data(vec![10.0, 20.0])),
+            (2, Payload::Data(vec![100.0, 200.0])),
+        ];
+        b.sum(1, 0..2, &mut others);
+        assert!(others.is_empty());
         b.replace(2..4, Payload::Data(vec![7.0, 8.0]));
         assert_eq!(sent.as_slice(), &[3.0, 4.0]);
         assert_eq!(b.finish().as_slice(), &[111.0, 222.0, 7.0, 8.0]);
         let mut b = WorkBuf::new(Payload::Size(6));
-        b.sum(0, 0..6, vec![(1, Payload::Size(6))]);
+        let mut others = vec![(1, Payload::Size(6))];
+        b.sum(0, 0..6, &mut others);
+        assert!(others.is_empty());
         assert_eq!(b.finish(), Payload::Size(6));
     }
 
@@ -193,11 +194,11 @@ mod tests {
         let want = ((xs[0] + xs[1]) + xs[2]) + xs[3];
         for me in 0..4 {
             let mut b = WorkBuf::new(Payload::Data(vec![xs[me]]));
-            let others = (0..4)
+            let mut others = (0..4)
                 .filter(|&r| r != me)
                 .map(|r| (r, Payload::Data(vec![xs[r]])))
                 .collect();
-            b.sum(me, 0..1, others);
+            b.sum(me, 0..1, &mut others);
             assert_eq!(
                 b.finish().as_slice()[0].to_bits(),
                 want.to_bits(),

@@ -18,10 +18,11 @@ mod run;
 mod schedule_cache;
 mod stream;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Op};
@@ -274,7 +275,7 @@ pub struct Engine {
     ranks: usize,
     cfg: EngineConfig,
     running: Vec<Running>,
-    unexpected: HashMap<(Tag, Rank), VecDeque<Envelope>>,
+    unexpected: FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
     stream: Option<Stream>,
     opened_streams: u64,
     activations_sent: BTreeMap<u64, u64>,
@@ -313,7 +314,7 @@ impl Engine {
             ranks,
             cfg,
             running: Vec::new(),
-            unexpected: HashMap::new(),
+            unexpected: FxHashMap::default(),
             stream: None,
             opened_streams: 0,
             activations_sent: BTreeMap::new(),

@@ -1,8 +1,10 @@
 //! One schedule being executed by the engine.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
 
 use super::buffer::WorkBuf;
 use super::rank_set::RankSet;
@@ -75,6 +77,14 @@ pub(super) enum Owner {
     Gossip,
 }
 
+/// The received parts and weights of a phase being summed: empty between phases, kept only
+/// for their capacity (a schedule sums in many phases of equal shape).
+#[derive(Default)]
+struct SumScratch {
+    summands: Vec<(Rank, Payload)>,
+    weights: Vec<(Rank, f64)>,
+}
+
 /// A schedule in progress.
 pub(super) struct Running {
     pub owner: Owner,
@@ -101,7 +111,9 @@ pub(super) struct Running {
     /// Receives of the current phase still missing.
     waiting: usize,
     /// `(peer, step)` to receive slot, for phases with many receives.
-    index: HashMap<(Rank, u16), usize>,
+    index: FxHashMap<(Rank, u16), usize>,
+    /// Room for the received parts of a phase being summed, kept for the next phase.
+    scratch: SumScratch,
     /// Stall reports made so far.
     pub stall_reports: u32,
 }
@@ -140,7 +152,8 @@ impl Running {
             got: Vec::new(),
             absent: Vec::new(),
             waiting: 0,
-            index: HashMap::new(),
+            index: FxHashMap::default(),
+            scratch: SumScratch::default(),
             stall_reports: 0,
         }
     }
@@ -291,7 +304,7 @@ impl Running {
     pub fn advance(
         &mut self,
         rank: Rank,
-        unexpected: &mut HashMap<(Tag, Rank), VecDeque<Envelope>>,
+        unexpected: &mut FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
         dead: &RankSet,
     ) -> Result<bool, Error> {
@@ -382,6 +395,7 @@ impl Running {
                     self.track.then_some(&mut self.contributions),
                     rank,
                     received,
+                    &mut self.scratch,
                 ),
                 Combine::Copy => Self::copy(
                     &mut self.buf,
@@ -405,25 +419,24 @@ impl Running {
         mut contributions: Option<&mut Vec<Contribution>>,
         rank: Rank,
         received: impl Iterator<Item = (Range<usize>, Envelope)>,
+        scratch: &mut SumScratch,
     ) {
+        let SumScratch { summands, weights } = scratch;
         let mut range = None;
-        let mut others = Vec::new();
         for (r, env) in received {
             range.get_or_insert(r);
             if let Some(c) = contributions.as_deref_mut() {
                 merge(c, &env.meta.contributions);
             }
-            others.push((env.from, env.meta.weight, env.data));
+            weights.push((env.from, env.meta.weight));
+            summands.push((env.from, env.data));
         }
         let Some(range) = range else {
             return;
         };
-        *weight = fold_weights(rank, *weight, &mut others);
-        buf.sum(
-            rank,
-            range,
-            others.into_iter().map(|(r, _, p)| (r, p)).collect(),
-        );
+        *weight = fold_weights(rank, *weight, weights);
+        weights.clear();
+        buf.sum(rank, range, summands);
     }
 
     fn copy(
@@ -532,9 +545,9 @@ fn foreign_contribution(members: &Members, list: &[Contribution]) -> Option<Stri
 
 /// The sum of `own` (this rank's weight) and the others' weights, added in ascending rank order
 /// (so that every member computes the same bits); sorts `others` by rank.
-fn fold_weights(rank: Rank, own: f64, others: &mut [(Rank, f64, Payload)]) -> f64 {
-    others.sort_by_key(|(r, _, _)| *r);
-    let below = others.partition_point(|(r, _, _)| *r < rank);
+fn fold_weights(rank: Rank, own: f64, others: &mut [(Rank, f64)]) -> f64 {
+    others.sort_by_key(|(r, _)| *r);
+    let below = others.partition_point(|(r, _)| *r < rank);
     let (lo, hi) = others.split_at(below);
     let mut ws = lo
         .iter()

@@ -483,10 +483,10 @@ impl Engine {
         received_on: Option<u32>,
         out: &mut Vec<Action>,
     ) {
-        let mut children = activation_edges(self.rank, self.ranks, received_on);
+        let edges = activation_edges(self.rank, self.ranks, received_on);
         let mask = self.activations_sent.entry(seq).or_insert(0);
-        children.retain(|e| *mask & (1 << e.dim) == 0);
-        for e in &children {
+        let sent_before = *mask;
+        for e in edges.clone() {
             *mask |= 1 << e.dim;
         }
         // Old rounds' masks are no longer needed once far behind (forgetting one can only cause
@@ -494,7 +494,7 @@ impl Engine {
         while self.activations_sent.len() > 256 {
             self.activations_sent.pop_first();
         }
-        for e in children {
+        for e in edges.filter(|e| sent_before & (1 << e.dim) == 0) {
             self.send_activation(now, seq, root, e.rank, e.dim, out);
         }
     }

@@ -10,7 +10,7 @@
 //! simulator runs the same engines over a LogGP network model at thousands of ranks.
 
 use std::cmp::Reverse;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -18,6 +18,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use dary_heap::QuaternaryHeap;
+use rustc_hash::FxHashMap;
 
 use super::threaded::collect;
 use super::{Comm, JobResult, Pending, Port, Slot};
@@ -160,6 +161,13 @@ const HORIZON: Duration = Duration::from_nanos(u64::MAX);
 /// miss (1.1-1.2x faster at 1,024 and 4,096 simulated ranks).
 const LOOKAHEAD: usize = 7;
 
+/// An event taken out of the heap ahead of time, and the rank it reaches once its slab entry
+/// has been read.
+struct Taken {
+    s: Scheduled,
+    rank: Option<Rank>,
+}
+
 impl Scheduled {
     fn new(at: Duration, tie: u64, seq: u64, slot: usize) -> Scheduled {
         let nanos = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX);
@@ -182,7 +190,7 @@ struct Core {
     /// The earliest events taken out of `events` ahead of time, in order. An event scheduled
     /// since may come before them, so the next event is the earlier of this queue's front and
     /// the heap's top: the order is exactly the heap's.
-    ahead: VecDeque<Scheduled>,
+    ahead: VecDeque<Taken>,
     /// The events of `events`, by `Scheduled::slot`.
     slab: Vec<Option<Event>>,
     /// Free entries of `slab`.
@@ -190,7 +198,7 @@ struct Core {
     seq: u64,
     seed: u64,
     network: Box<dyn NetworkModel>,
-    slots: Vec<HashMap<ReqId, Arc<Slot>>>,
+    slots: Vec<FxHashMap<ReqId, Arc<Slot>>>,
     next_req: ReqId,
     submitted: VecDeque<(Rank, ReqId, Request)>,
     tick_at: Vec<Option<Duration>>,
@@ -211,7 +219,7 @@ impl Core {
             seq: 0,
             seed: vcfg.seed,
             network: vcfg.network,
-            slots: (0..ranks).map(|_| HashMap::new()).collect(),
+            slots: (0..ranks).map(|_| FxHashMap::default()).collect(),
             next_req: 0,
             submitted: VecDeque::new(),
             tick_at: vec![None; ranks],
@@ -244,13 +252,19 @@ impl Core {
             let Some(Reverse(s)) = self.events.pop() else {
                 break;
             };
-            // Sorted insertion: the heap's top may precede events taken earlier.
-            let at = self.ahead.partition_point(|a| *a < s);
-            self.ahead.insert(at, s);
+            // Sorted insertion: the heap's top may precede events taken earlier (though it
+            // usually follows them all).
+            let taken = Taken { s, rank: None };
+            if self.ahead.back().is_none_or(|last| last.s < taken.s) {
+                self.ahead.push_back(taken);
+            } else {
+                let at = self.ahead.partition_point(|a| a.s < taken.s);
+                self.ahead.insert(at, taken);
+            }
         }
         let s = match (self.ahead.front(), self.events.peek()) {
-            (Some(a), Some(Reverse(h))) if h < a => self.events.pop().map(|Reverse(s)| s),
-            _ => self.ahead.pop_front(),
+            (Some(a), Some(Reverse(h))) if *h < a.s => self.events.pop().map(|Reverse(s)| s),
+            _ => self.ahead.pop_front().map(|a| a.s),
         }?;
         self.prefetch_ahead();
         self.now = self.now.max(s.at());
@@ -260,25 +274,30 @@ impl Core {
 
     /// Prefetches the events taken ahead: the last one's entry in the slab, and one level of
     /// pointers deeper for each event closer to the front (its message, then its engine's).
-    fn prefetch_ahead(&self) {
-        for (i, s) in self.ahead.iter().enumerate() {
-            let Some(entry) = self.slab.get(s.slot) else {
-                continue;
-            };
+    fn prefetch_ahead(&mut self) {
+        for (i, taken) in self.ahead.iter_mut().enumerate() {
             // Events handled before this one: the last event taken gets its slab entry only.
             let Some(level) = (LOOKAHEAD - 1 - i).checked_sub(1) else {
-                crate::prefetch::prefetch(entry, 0..2);
+                if let Some(entry) = self.slab.get(taken.s.slot) {
+                    crate::prefetch::prefetch(entry, 0..2);
+                }
                 continue;
             };
-            let rank = match entry {
-                Some(Event::Deliver { to, env }) => {
-                    if level == 0 {
-                        crate::prefetch::prefetch_slice(&env.meta.contributions, 2);
-                    }
-                    *to
+            // The entry was prefetched one event ago: read it once, for its rank.
+            let rank = match taken.rank {
+                Some(rank) => rank,
+                None => {
+                    let rank = match self.slab.get(taken.s.slot) {
+                        Some(Some(Event::Deliver { to, env })) => {
+                            crate::prefetch::prefetch_slice(&env.meta.contributions, 2);
+                            *to
+                        }
+                        Some(Some(Event::Timer { rank, .. } | Event::Tick { rank })) => *rank,
+                        _ => continue,
+                    };
+                    taken.rank = Some(rank);
+                    rank
                 }
-                Some(Event::Timer { rank, .. } | Event::Tick { rank }) => *rank,
-                None => continue,
             };
             if let Some(engine) = self.engines.get(rank) {
                 engine.prefetch(level as u8);

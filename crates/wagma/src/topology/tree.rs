@@ -62,23 +62,25 @@ pub fn tree_children(
 /// `rank XOR 2^j` when P is a power of two and to `(rank + 2^j) mod P` otherwise. Unlike
 /// [`tree_children`] the edges do not depend on the root, so a rank can send each at most once
 /// per round (module documentation). Ranks may receive a round's activation more than once.
-pub fn activation_edges(rank: Rank, ranks: usize, received_on: Option<u32>) -> Vec<TreeEdge> {
+pub fn activation_edges(
+    rank: Rank,
+    ranks: usize,
+    received_on: Option<u32>,
+) -> impl ExactSizeIterator<Item = TreeEdge> + Clone {
     let dims = if ranks <= 1 {
         0
     } else {
         super::grouping::ceil_log2(ranks)
     };
     let first = received_on.map_or(0, |k| k + 1);
-    (first..dims)
-        .map(|j| TreeEdge {
-            rank: if ranks.is_power_of_two() {
-                rank ^ (1usize << j)
-            } else {
-                (rank + (1usize << j)) % ranks
-            },
-            dim: j,
-        })
-        .collect()
+    (first..dims).map(move |j| TreeEdge {
+        rank: if ranks.is_power_of_two() {
+            rank ^ (1usize << j)
+        } else {
+            (rank + (1usize << j)) % ranks
+        },
+        dim: j,
+    })
 }
 
 /// The parent of `rank` in the tree rooted at `root` and the dimension it is reached on
