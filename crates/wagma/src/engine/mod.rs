@@ -288,6 +288,8 @@ pub struct Engine {
     departed: RankSet,
     /// The sends of a schedule's phase, reused from phase to phase.
     sends: Vec<(Rank, Envelope)>,
+    /// Room for the parts a phase sums, reused from phase to phase.
+    summing: run::SumScratch,
     /// The schedules of this rank's recent rounds, sized for the open stream's grouping.
     round_schedules: schedule_cache::ScheduleCache,
     /// Peers declared dead (elastic mode).
@@ -325,6 +327,7 @@ impl Engine {
             outstanding: BTreeMap::new(),
             departed: RankSet::default(),
             sends: Vec::new(),
+            summing: run::SumScratch::default(),
             round_schedules: Default::default(),
             dead: RankSet::default(),
             joining: RankSet::default(),
@@ -973,7 +976,8 @@ impl Engine {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
                     let dead = &self.dead;
-                    self.running[i].advance(rank, unexpected, &mut sends, dead)
+                    let summing = &mut self.summing;
+                    self.running[i].advance(rank, unexpected, &mut sends, dead, summing)
                 };
                 for (to, env) in sends.drain(..) {
                     self.send(to, env, out);

@@ -78,9 +78,9 @@ pub(super) enum Owner {
 }
 
 /// The received parts and weights of a phase being summed: empty between phases, kept only
-/// for their capacity (a schedule sums in many phases of equal shape).
+/// for their capacity (schedules sum in many phases of equal shape).
 #[derive(Default)]
-struct SumScratch {
+pub(super) struct SumScratch {
     summands: Vec<(Rank, Payload)>,
     weights: Vec<(Rank, f64)>,
 }
@@ -112,8 +112,6 @@ pub(super) struct Running {
     waiting: usize,
     /// `(peer, step)` to receive slot, for phases with many receives.
     index: FxHashMap<(Rank, u16), usize>,
-    /// Room for the received parts of a phase being summed, kept for the next phase.
-    scratch: SumScratch,
     /// Stall reports made so far.
     pub stall_reports: u32,
 }
@@ -153,7 +151,6 @@ impl Running {
             absent: Vec::new(),
             waiting: 0,
             index: FxHashMap::default(),
-            scratch: SumScratch::default(),
             stall_reports: 0,
         }
     }
@@ -307,6 +304,7 @@ impl Running {
         unexpected: &mut FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
         dead: &RankSet,
+        scratch: &mut SumScratch,
     ) -> Result<bool, Error> {
         loop {
             let Some(phase) = self.schedule.phases.get(self.phase) else {
@@ -395,7 +393,7 @@ impl Running {
                     self.track.then_some(&mut self.contributions),
                     rank,
                     received,
-                    &mut self.scratch,
+                    scratch,
                 ),
                 Combine::Copy => Self::copy(
                     &mut self.buf,
