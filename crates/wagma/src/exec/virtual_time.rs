@@ -187,9 +187,10 @@ struct Core {
     now: Duration,
     engines: Vec<Engine>,
     events: QuaternaryHeap<Reverse<Scheduled>>,
-    /// The earliest events taken out of `events` ahead of time, in order. An event scheduled
-    /// since may come before them, so the next event is the earlier of this queue's front and
-    /// the heap's top: the order is exactly the heap's.
+    /// The earliest events, taken out of `events` ahead of time, in order: each precedes every
+    /// event still in `events` (an event scheduled since that precedes one of them is inserted
+    /// here, see [`Core::schedule`]), so the next event is always the front and the order is
+    /// exactly the heap's. Usually `LOOKAHEAD` long, sometimes longer.
     ahead: VecDeque<Taken>,
     /// The events of `events`, by `Scheduled::slot`.
     slab: Vec<Option<Event>>,
@@ -242,30 +243,27 @@ impl Core {
                 self.slab.len() - 1
             }
         };
-        self.events
-            .push(Reverse(Scheduled::new(at, tie, self.seq, slot)));
+        let s = Scheduled::new(at, tie, self.seq, slot);
+        // An event before one already taken ahead goes among those, in order, so that every
+        // event taken ahead precedes every event in the heap.
+        if self.ahead.back().is_some_and(|last| s < last.s) {
+            let at = self.ahead.partition_point(|a| a.s < s);
+            self.ahead.insert(at, Taken { s, rank: None });
+        } else {
+            self.events.push(Reverse(s));
+        }
     }
 
     /// The earliest event, with the clock moved to it.
     fn next_event(&mut self) -> Option<Event> {
+        // The heap's earliest event follows every event taken ahead.
         while self.ahead.len() < LOOKAHEAD {
             let Some(Reverse(s)) = self.events.pop() else {
                 break;
             };
-            // Sorted insertion: the heap's top may precede events taken earlier (though it
-            // usually follows them all).
-            let taken = Taken { s, rank: None };
-            if self.ahead.back().is_none_or(|last| last.s < taken.s) {
-                self.ahead.push_back(taken);
-            } else {
-                let at = self.ahead.partition_point(|a| a.s < taken.s);
-                self.ahead.insert(at, taken);
-            }
+            self.ahead.push_back(Taken { s, rank: None });
         }
-        let s = match (self.ahead.front(), self.events.peek()) {
-            (Some(a), Some(Reverse(h))) if *h < a.s => self.events.pop().map(|Reverse(s)| s),
-            _ => self.ahead.pop_front().map(|a| a.s),
-        }?;
+        let s = self.ahead.pop_front()?.s;
         self.prefetch_ahead();
         self.now = self.now.max(s.at());
         self.free.push(s.slot);
@@ -275,7 +273,7 @@ impl Core {
     /// Prefetches the events taken ahead: the last one's entry in the slab, and one level of
     /// pointers deeper for each event closer to the front (its message, then its engine's).
     fn prefetch_ahead(&mut self) {
-        for (i, taken) in self.ahead.iter_mut().enumerate() {
+        for (i, taken) in self.ahead.iter_mut().take(LOOKAHEAD).enumerate() {
             // Events handled before this one: the last event taken gets its slab entry only.
             let Some(level) = (LOOKAHEAD - 1 - i).checked_sub(1) else {
                 if let Some(entry) = self.slab.get(taken.s.slot) {
