@@ -17,6 +17,20 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay`: its place in the C enum `mi_option_e` (the Rust bindings
+/// name no constant for it; a test checks its default).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps freed memory for reuse instead of returning it to the system a second after it is
+/// freed. The simulator frees and reallocates small objects continually, and each return made
+/// a later use fault and zero the pages again: at 4,096 simulated ranks, 21,000-26,000 page
+/// faults in 100 iterations against fewer than 500, and 5% of the run's time. The process's
+/// memory stays at its peak.
+fn keep_freed_memory() {
+    // SAFETY: sets one integer option, which mimalloc reads with atomic loads; no pointers.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) }
+}
+
 /// Wait-avoiding group model averaging (WAGMA-SGD) and its baselines.
 #[derive(Parser)]
 #[command(name = "wagma", version, about, long_about = None)]
@@ -42,6 +56,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("WAGMA_LOG")
@@ -57,5 +72,23 @@ fn main() -> anyhow::Result<()> {
         Command::Launch(a) => launch::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Simulate(s) => simulate::run(s),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The option's number is right: it holds mimalloc's default purge delay (1,000 ms) until set,
+    /// and the value set after.
+    #[test]
+    fn purge_delay_is_the_option_set() {
+        // SAFETY: reads one integer option.
+        let default = unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        assert_eq!(default, 1000);
+        keep_freed_memory();
+        // SAFETY: as above.
+        let set = unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        assert_eq!(set, -1);
     }
 }

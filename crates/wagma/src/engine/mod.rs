@@ -269,6 +269,20 @@ pub struct EngineStats {
     pub dropped_from_dead: u64,
 }
 
+/// The lists a schedule's phase fills (its sends, the parts it sums), kept for their capacity.
+#[derive(Default)]
+struct PhaseScratch {
+    sends: Vec<(Rank, Envelope)>,
+    summing: run::SumScratch,
+}
+
+thread_local! {
+    /// One [`PhaseScratch`] for every engine of a thread: the simulator runs thousands of
+    /// engines on one thread, and one shared list stays in cache where one per engine was cold
+    /// at nearly every event. Taken out while in use, so a nested use only finds it empty.
+    static PHASE_SCRATCH: std::cell::Cell<PhaseScratch> = std::cell::Cell::default();
+}
+
 /// The progress engine of one rank.
 pub struct Engine {
     rank: Rank,
@@ -278,7 +292,7 @@ pub struct Engine {
     unexpected: FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
     stream: Option<Stream>,
     opened_streams: u64,
-    activations_sent: BTreeMap<u64, u64>,
+    activations_sent: stream::SentActivations,
     early_activations: Vec<(u64, u64)>,
     passive: Option<Passive>,
     gossip: Option<gossip::Gossip>,
@@ -286,10 +300,6 @@ pub struct Engine {
     outstanding: BTreeMap<ReqId, Op>,
     /// Peers that said goodbye (a rejoin takes its rank out again).
     departed: RankSet,
-    /// The sends of a schedule's phase, reused from phase to phase.
-    sends: Vec<(Rank, Envelope)>,
-    /// Room for the parts a phase sums, reused from phase to phase.
-    summing: run::SumScratch,
     /// The schedules of this rank's recent rounds, sized for the open stream's grouping.
     round_schedules: schedule_cache::ScheduleCache,
     /// Peers declared dead (elastic mode).
@@ -319,15 +329,13 @@ impl Engine {
             unexpected: FxHashMap::default(),
             stream: None,
             opened_streams: 0,
-            activations_sent: BTreeMap::new(),
+            activations_sent: stream::SentActivations::default(),
             early_activations: Vec::new(),
             passive: None,
             gossip: None,
             early_pairs: Vec::new(),
             outstanding: BTreeMap::new(),
             departed: RankSet::default(),
-            sends: Vec::new(),
-            summing: run::SumScratch::default(),
             round_schedules: Default::default(),
             dead: RankSet::default(),
             joining: RankSet::default(),
@@ -365,7 +373,10 @@ impl Engine {
             // the processor keeps in flight, or it drops them.
             0 => crate::prefetch::prefetch(self, 0..8),
             1 => crate::prefetch::prefetch(self, 8..16),
-            2 => crate::prefetch::prefetch_slice(&self.running, 8),
+            2 => {
+                crate::prefetch::prefetch_slice(&self.running, 8);
+                self.activations_sent.prefetch();
+            }
             _ => {
                 for r in self.running.iter().take(2) {
                     r.prefetch(level);
@@ -970,20 +981,21 @@ impl Engine {
             }
             let mut progressed = false;
             let mut i = 0;
-            let mut sends = std::mem::take(&mut self.sends);
+            let mut scratch = PHASE_SCRATCH.take();
             while i < self.running.len() {
                 let step = {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
                     let dead = &self.dead;
-                    let summing = &mut self.summing;
-                    self.running[i].advance(rank, unexpected, &mut sends, dead, summing)
+                    let PhaseScratch { sends, summing } = &mut scratch;
+                    self.running[i].advance(rank, unexpected, sends, dead, summing)
                 };
-                for (to, env) in sends.drain(..) {
+                for (to, env) in scratch.sends.drain(..) {
                     self.send(to, env, out);
                 }
                 match step {
                     Err(e) => {
+                        PHASE_SCRATCH.set(scratch);
                         self.fail(e, out);
                         return;
                     }
@@ -995,7 +1007,7 @@ impl Engine {
                     }
                 }
             }
-            self.sends = sends;
+            PHASE_SCRATCH.set(scratch);
             if !progressed {
                 break;
             }

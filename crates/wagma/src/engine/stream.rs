@@ -15,7 +15,7 @@
 //! * Rounds `t` with `(t + 1) mod tau == 0` are blocking global syncs: they run only when the
 //!   compute side arrives, and finish only when every rank has contributed.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +29,52 @@ use crate::payload::Payload;
 use crate::schedule::allreduce;
 use crate::topology::{Grouping, GroupingKind, activation_edges};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+
+/// The dimensions on which this rank sent each recent round's activation, for the
+/// [`activation_edges`] it may skip.
+#[derive(Debug, Default)]
+pub(super) struct SentActivations {
+    /// `(seq, mask of dimensions)`, sorted by seq. New rounds come last, so a search from the
+    /// back usually stops at once, in one or two cache lines (a tree map chased a node per level
+    /// of every engine, cold in a simulation of thousands).
+    masks: VecDeque<(u64, u64)>,
+}
+
+impl SentActivations {
+    /// Masks kept: older rounds' are forgotten once this many newer ones exist (forgetting one
+    /// can only cause a duplicate, never a missed activation).
+    const KEPT: usize = 256;
+
+    /// Adds `dims` to round `seq`'s mask; returns the mask before.
+    fn mark(&mut self, seq: u64, dims: u64) -> u64 {
+        let after = self
+            .masks
+            .iter()
+            .rposition(|&(s, _)| s <= seq)
+            .map_or(0, |i| i + 1);
+        let before = match after.checked_sub(1).and_then(|i| self.masks.get_mut(i)) {
+            Some((s, mask)) if *s == seq => std::mem::replace(mask, *mask | dims),
+            _ => {
+                self.masks.insert(after, (seq, dims));
+                0
+            }
+        };
+        // Forgets the oldest, even the round just marked if it is the oldest.
+        while self.masks.len() > Self::KEPT {
+            self.masks.pop_front();
+        }
+        before
+    }
+
+    /// Prefetch hints for the newest masks, those a round in progress reads.
+    pub(super) fn prefetch(&self) {
+        let (front, back) = self.masks.as_slices();
+        let newest = if back.is_empty() { front } else { back };
+        if let Some(last) = newest.last() {
+            crate::prefetch::prefetch(last, 0..1);
+        }
+    }
+}
 
 /// Who may start a round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -484,16 +530,8 @@ impl Engine {
         out: &mut Vec<Action>,
     ) {
         let edges = activation_edges(self.rank, self.ranks, received_on);
-        let mask = self.activations_sent.entry(seq).or_insert(0);
-        let sent_before = *mask;
-        for e in edges.clone() {
-            *mask |= 1 << e.dim;
-        }
-        // Old rounds' masks are no longer needed once far behind (forgetting one can only cause
-        // a duplicate, never a missed activation).
-        while self.activations_sent.len() > 256 {
-            self.activations_sent.pop_first();
-        }
+        let dims = edges.clone().fold(0, |m, e| m | 1 << e.dim);
+        let sent_before = self.activations_sent.mark(seq, dims);
         for e in edges.filter(|e| sent_before & (1 << e.dim) == 0) {
             self.send_activation(now, seq, root, e.rank, e.dim, out);
         }
@@ -829,5 +867,33 @@ mod tests {
         result(list).record_staleness(&mut b);
         assert_eq!(a, b);
         assert_eq!(a.count(2), 4);
+    }
+
+    proptest::proptest! {
+        /// The sorted deque keeps exactly what a tree map trimmed to its newest
+        /// `SentActivations::KEPT` keys keeps, in any order of rounds (mostly new ones, some old
+        /// and repeated, as activations arrive).
+        #[test]
+        fn sent_activations_match_a_trimmed_tree_map(
+            marks in proptest::collection::vec((0u64..600, 0u32..12, proptest::bool::ANY), 0..2_000)
+        ) {
+            let mut deque = SentActivations::default();
+            let mut model = BTreeMap::<u64, u64>::new();
+            for (i, (back, dim, recent)) in marks.into_iter().enumerate() {
+                // Most rounds are at or near the newest; others go far back.
+                let newest = i as u64 / 3;
+                let seq = if recent { newest.saturating_sub(back % 4) } else { newest.saturating_sub(back) };
+                let dims = 1u64 << dim | 1 << (dim + 1);
+                let mask = model.entry(seq).or_insert(0);
+                let expected = *mask;
+                *mask |= dims;
+                while model.len() > SentActivations::KEPT {
+                    model.pop_first();
+                }
+                proptest::prop_assert_eq!(deque.mark(seq, dims), expected);
+                let kept: Vec<(u64, u64)> = model.iter().map(|(&s, &m)| (s, m)).collect();
+                proptest::prop_assert_eq!(deque.masks.iter().copied().collect::<Vec<_>>(), kept);
+            }
+        }
     }
 }

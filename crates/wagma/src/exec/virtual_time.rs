@@ -199,7 +199,9 @@ struct Core {
     seq: u64,
     seed: u64,
     network: Box<dyn NetworkModel>,
-    slots: Vec<FxHashMap<ReqId, Arc<Slot>>>,
+    /// Every rank's requests in flight, by id (unique across ranks): one table stays in cache
+    /// where one per rank was cold at nearly every request.
+    slots: FxHashMap<ReqId, Arc<Slot>>,
     next_req: ReqId,
     submitted: VecDeque<(Rank, ReqId, Request)>,
     tick_at: Vec<Option<Duration>>,
@@ -220,7 +222,7 @@ impl Core {
             seq: 0,
             seed: vcfg.seed,
             network: vcfg.network,
-            slots: (0..ranks).map(|_| FxHashMap::default()).collect(),
+            slots: FxHashMap::default(),
             next_req: 0,
             submitted: VecDeque::new(),
             tick_at: vec![None; ranks],
@@ -256,8 +258,9 @@ impl Core {
 
     /// The earliest event, with the clock moved to it.
     fn next_event(&mut self) -> Option<Event> {
-        // The heap's earliest event follows every event taken ahead.
-        while self.ahead.len() < LOOKAHEAD {
+        // The heap's earliest event follows every event taken ahead. One more than
+        // `LOOKAHEAD`, so that the `LOOKAHEAD` left after the front is taken each get a level.
+        while self.ahead.len() <= LOOKAHEAD {
             let Some(Reverse(s)) = self.events.pop() else {
                 break;
             };
@@ -317,7 +320,7 @@ impl Core {
                     self.schedule(at, key, Event::Deliver { to, env });
                 }
                 Action::Complete { id, result } => {
-                    if let Some(slot) = self.slots[rank].remove(&id) {
+                    if let Some(slot) = self.slots.remove(&id) {
                         slot.complete(result);
                     }
                 }
@@ -390,7 +393,7 @@ impl Port for VirtualPort {
         let id = core.next_req;
         core.next_req += 1;
         let slot = Slot::new();
-        core.slots[self.rank].insert(id, Arc::clone(&slot));
+        core.slots.insert(id, Arc::clone(&slot));
         core.submitted.push_back((self.rank, id, req));
         Pending::new(slot)
     }
@@ -519,11 +522,11 @@ where
             if live == 0 {
                 break;
             }
-            let next = lock(&core).next_event();
-            match next {
-                Some(event) => lock(&core).handle(event),
+            // One lock for taking the next event and handling it.
+            let mut c = lock(&core);
+            match c.next_event() {
+                Some(event) => c.handle(event),
                 None => {
-                    let c = lock(&core);
                     let blocked: Vec<String> = (0..ranks)
                         .filter(|&r| tasks[r].is_some())
                         .map(|r| format!("rank {r}: {}", c.engines[r].describe_wait()))
@@ -591,7 +594,7 @@ mod tests {
         // and after them.
         let first = c.next_event().map(|_| c.now.as_micros());
         assert_eq!(first, Some(10));
-        assert_eq!(c.ahead.len(), LOOKAHEAD - 1);
+        assert_eq!(c.ahead.len(), LOOKAHEAD);
         tick(&mut c, 11, 3);
         tick(&mut c, 13, 2);
         tick(&mut c, 10, 1);
