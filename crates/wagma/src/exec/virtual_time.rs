@@ -154,8 +154,8 @@ struct Scheduled {
 /// never fires (a job that has nothing else to do then ends as a deadlock).
 const HORIZON: Duration = Duration::from_nanos(u64::MAX);
 
-/// How many of the earliest events the core takes out of the heap ahead of time: each event's
-/// memory is prefetched one level of pointers per event handled before it, first its slab
+/// How many of the earliest events wait out of the heap, taken ahead of time, while the core
+/// handles the one before them: each event's memory is prefetched one level of pointers per event handled before it, first its slab
 /// entry, then its engine's levels 0 to `LOOKAHEAD - 2` (see [`Engine::prefetch`]). Each message
 /// reaches a different one of thousands of engines, and without this each level was a cache
 /// miss (1.1-1.2x faster at 1,024 and 4,096 simulated ranks).
@@ -216,7 +216,7 @@ impl Core {
             now: Duration::ZERO,
             engines: (0..ranks).map(|r| Engine::new(r, ranks, cfg)).collect(),
             events: QuaternaryHeap::new(),
-            ahead: VecDeque::with_capacity(LOOKAHEAD),
+            ahead: VecDeque::with_capacity(LOOKAHEAD + 1),
             slab: Vec::new(),
             free: Vec::new(),
             seq: 0,
