@@ -155,10 +155,11 @@ struct Scheduled {
 const HORIZON: Duration = Duration::from_nanos(u64::MAX);
 
 /// How many of the earliest events wait out of the heap, taken ahead of time, while the core
-/// handles the one before them: each event's memory is prefetched one level of pointers per event handled before it, first its slab
-/// entry, then its engine's levels 0 to `LOOKAHEAD - 2` (see [`Engine::prefetch`]). Each message
-/// reaches a different one of thousands of engines, and without this each level was a cache
-/// miss (1.1-1.2x faster at 1,024 and 4,096 simulated ranks).
+/// handles the one before them: each event's memory is prefetched one level of pointers per
+/// event handled before it, first its slab entry, then its engine's levels 0 to
+/// `LOOKAHEAD - 2` (see [`Engine::prefetch`]). Each message reaches a different one of thousands
+/// of engines, and without this each level was a cache miss (1.1-1.2x faster at 1,024 and
+/// 4,096 simulated ranks).
 const LOOKAHEAD: usize = 7;
 
 /// An event taken out of the heap ahead of time, and the rank it reaches once its slab entry
