@@ -2,23 +2,27 @@
 //! on tiny settings. Needs root and iproute2; elsewhere the tests say so and return.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 
-/// The tests compare the namespaces before and after: one at a time.
+/// Each sweep runs four hosts' processes on this machine's two cores: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/netns-sweep.sh")
 }
 
-/// The namespaces that exist now.
-fn namespaces() -> Vec<String> {
+/// The namespaces of the sweep whose script ran as process `pid` (the script names them
+/// `wg<pid>n<i>`) that still exist. Only its own: another job on the machine may hold others.
+fn left_behind(pid: u32) -> Vec<String> {
+    let prefix = format!("wg{pid}n");
     let out = Command::new("ip").args(["netns", "list"]).output();
     out.map(|o| {
         String::from_utf8_lossy(&o.stdout)
             .lines()
-            .map(|l| l.split_whitespace().next().unwrap_or("").to_string())
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|name| name.starts_with(&prefix))
+            .map(str::to_string)
             .collect()
     })
     .unwrap_or_default()
@@ -39,22 +43,25 @@ fn can_make_namespaces() -> bool {
     ok
 }
 
-/// Runs the sweep, checks that it succeeded and returns its output lines as JSON documents.
-fn sweep_lines(wagma: &str, extra: &[(&str, &str)]) -> Vec<serde_json::Value> {
-    let out = sweep(wagma, extra);
+/// Runs the sweep, checks that it succeeded and returns its output lines as JSON documents,
+/// and the script's process id.
+fn sweep_lines(wagma: &str, extra: &[(&str, &str)]) -> (Vec<serde_json::Value>, u32) {
+    let (out, pid) = sweep(wagma, extra);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    stdout
+    let lines = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+        .collect();
+    (lines, pid)
 }
 
-fn sweep(wagma: &str, extra: &[(&str, &str)]) -> Output {
+/// Runs the sweep; returns its output and the script's process id.
+fn sweep(wagma: &str, extra: &[(&str, &str)]) -> (Output, u32) {
     let mut cmd = Command::new("bash");
     cmd.arg(script())
         .env("WAGMA", wagma)
@@ -66,7 +73,13 @@ fn sweep(wagma: &str, extra: &[(&str, &str)]) -> Output {
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    cmd.output().unwrap()
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    (child.wait_with_output().unwrap(), pid)
 }
 
 #[test]
@@ -75,8 +88,7 @@ fn training_runs_across_four_namespaces_and_they_are_removed() {
     if !can_make_namespaces() {
         return;
     }
-    let before = namespaces();
-    let rows = sweep_lines(
+    let (rows, pid) = sweep_lines(
         env!("CARGO_BIN_EXE_wagma"),
         &[("ALGOS", "wagma allreduce-sgd")],
     );
@@ -86,7 +98,11 @@ fn training_runs_across_four_namespaces_and_they_are_removed() {
         assert!(r["final_metrics"]["accuracy"].as_f64().is_some(), "{r}");
         assert_eq!(r["rate"], "1gbit");
     }
-    assert_eq!(namespaces(), before, "namespaces left behind");
+    assert_eq!(
+        left_behind(pid),
+        Vec::<String>::new(),
+        "namespaces left behind"
+    );
 }
 
 #[test]
@@ -95,11 +111,14 @@ fn a_failing_run_still_removes_its_namespaces() {
     if !can_make_namespaces() {
         return;
     }
-    let before = namespaces();
-    let out = sweep("/bin/false", &[("ALGOS", "wagma")]);
+    let (out, pid) = sweep("/bin/false", &[("ALGOS", "wagma")]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("a rank failed"));
-    assert_eq!(namespaces(), before, "namespaces left behind");
+    assert_eq!(
+        left_behind(pid),
+        Vec::<String>::new(),
+        "namespaces left behind"
+    );
 }
 
 #[test]
@@ -108,7 +127,7 @@ fn the_benchmark_runs_one_job_across_four_namespaces() {
     if !can_make_namespaces() {
         return;
     }
-    let lines = sweep_lines(
+    let (lines, _) = sweep_lines(
         env!("CARGO_BIN_EXE_wagma"),
         &[
             ("MODE", "bench"),
@@ -130,11 +149,10 @@ fn a_partition_of_an_elastic_job_stops_the_minority_and_the_majority_finishes() 
     if !can_make_namespaces() {
         return;
     }
-    let before = namespaces();
     // Five hosts, rank 0 reports iteration 40; then hosts 3 and 4 are cut off from 0-2 (they
     // still reach each other).
     let timeout = 10.0;
-    let lines = sweep_lines(
+    let (lines, pid) = sweep_lines(
         env!("CARGO_BIN_EXE_wagma"),
         &[
             ("MODE", "partition"),
@@ -175,5 +193,9 @@ fn a_partition_of_an_elastic_job_stops_the_minority_and_the_majority_finishes() 
         summary["final_metrics"]["accuracy"].as_f64().unwrap() > 0.5,
         "{summary}"
     );
-    assert_eq!(namespaces(), before, "namespaces left behind");
+    assert_eq!(
+        left_behind(pid),
+        Vec::<String>::new(),
+        "namespaces left behind"
+    );
 }
