@@ -73,7 +73,9 @@ fn sweep(wagma: &str, extra: &[(&str, &str)]) -> (Output, u32) {
     for (k, v) in extra {
         cmd.env(k, v);
     }
+    // As `Command::output` would, with the child's id kept.
     let child = cmd
+        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

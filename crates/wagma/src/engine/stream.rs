@@ -52,26 +52,23 @@ impl SentActivations {
             .iter()
             .rposition(|&(s, _)| s <= seq)
             .map_or(0, |i| i + 1);
-        let before = match after.checked_sub(1).and_then(|i| self.masks.get_mut(i)) {
-            Some((s, mask)) if *s == seq => std::mem::replace(mask, *mask | dims),
-            _ => {
-                self.masks.insert(after, (seq, dims));
-                0
-            }
-        };
+        if let Some((s, mask)) = after.checked_sub(1).and_then(|i| self.masks.get_mut(i))
+            && *s == seq
+        {
+            return std::mem::replace(mask, *mask | dims);
+        }
+        self.masks.insert(after, (seq, dims));
         // Forgets the oldest, even the round just marked if it is the oldest.
-        while self.masks.len() > Self::KEPT {
+        if self.masks.len() > Self::KEPT {
             self.masks.pop_front();
         }
-        before
+        0
     }
 
-    /// Prefetch hints for the newest masks, those a round in progress reads.
+    /// Prefetch hints for the newest mask, the one a round in progress reads.
     pub(super) fn prefetch(&self) {
-        let (front, back) = self.masks.as_slices();
-        let newest = if back.is_empty() { front } else { back };
-        if let Some(last) = newest.last() {
-            crate::prefetch::prefetch(last, 0..1);
+        if let Some(newest) = self.masks.back() {
+            crate::prefetch::prefetch(newest, 0..1);
         }
     }
 }
