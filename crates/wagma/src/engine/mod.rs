@@ -14,6 +14,7 @@ mod join;
 mod liveness;
 mod passive;
 mod rank_set;
+mod round_map;
 mod run;
 mod schedule_cache;
 mod stream;

@@ -156,9 +156,15 @@ impl Running {
     }
 
     /// Prefetch hints for a message about to arrive, one level of pointers at a time (see
-    /// [`super::Engine::prefetch`]): 3, this run's own buffers; 4, its current phase; 5, that
-    /// phase's transfers.
+    /// [`super::Engine::prefetch`]): 3, this run's own buffers; 4, its current phase and the
+    /// next (the message often completes this one, and the next is posted at once), with
+    /// their transfers when they are held in place; 5, those held apart.
     pub fn prefetch(&self, level: u8) {
+        // Read only from level 4, once level 3 has asked for the schedule.
+        let phases = || {
+            let phases = self.schedule.phases.get(self.phase..).unwrap_or_default();
+            &phases[..phases.len().min(2)]
+        };
         match level {
             3 => {
                 prefetch(&*self.schedule, 0..1);
@@ -166,15 +172,14 @@ impl Running {
                 prefetch_slice(&self.absent, 1);
                 prefetch_slice(&self.contributions, 2);
             }
-            4 => {
-                if let Some(phase) = self.schedule.phases.get(self.phase) {
-                    prefetch(phase, 0..2);
-                }
-            }
+            4 => prefetch_slice(phases(), 3),
             5 => {
-                if let Some(phase) = self.schedule.phases.get(self.phase) {
-                    prefetch_slice(&phase.recvs, 2);
-                    prefetch_slice(&phase.sends, 2);
+                for phase in phases() {
+                    for side in [&phase.recvs, &phase.sends] {
+                        if side.spilled() {
+                            prefetch_slice(side, 2);
+                        }
+                    }
                 }
             }
             _ => {}
@@ -223,7 +228,7 @@ impl Running {
     }
 
     /// Takes `env` if the current phase waits for it; hands it back otherwise.
-    pub fn accept(&mut self, rank: Rank, env: Envelope) -> Result<Option<Envelope>, Error> {
+    pub fn accept(&mut self, rank: Rank, mut env: Envelope) -> Result<Option<Envelope>, Error> {
         if !self.posted {
             return Ok(Some(env));
         }
@@ -243,14 +248,16 @@ impl Running {
         match slot {
             None => Ok(Some(env)),
             Some(i) => {
-                self.validate(rank, &env, phase.recvs[i].range.len())?;
+                self.validate(rank, &mut env, phase.recvs[i].range.len())?;
                 self.fill(i, env);
                 Ok(None)
             }
         }
     }
 
-    fn validate(&self, rank: Rank, env: &Envelope, expect: usize) -> Result<(), Error> {
+    /// Checks `env` against this run. A contribution list equal to this rank's own is taken
+    /// out of `env`: merging it would change nothing, and it need not be compared twice.
+    fn validate(&self, rank: Rank, env: &mut Envelope, expect: usize) -> Result<(), Error> {
         if env.meta.total_len != self.buf.len() as u64 {
             return Err(Error::LengthMismatch {
                 rank,
@@ -262,8 +269,9 @@ impl Running {
         }
         // This rank's own list starts as itself and grows only by merging checked lists, so a
         // list equal to it (every message of an allgather's second half) is valid.
-        if self.track
-            && env.meta.contributions != self.contributions
+        if self.track && env.meta.contributions == self.contributions {
+            env.meta.contributions = Vec::new();
+        } else if self.track
             && let Some(bad) = foreign_contribution(&self.members, &env.meta.contributions)
         {
             // A peer may only report members of this group, each once: otherwise it would
@@ -364,8 +372,8 @@ impl Running {
                         if queue.is_empty() {
                             unexpected.remove(&key);
                         }
-                        if let Some(env) = env {
-                            self.validate(rank, &env, r.range.len())?;
+                        if let Some(mut env) = env {
+                            self.validate(rank, &mut env, r.range.len())?;
                             // Field by field: `phase` borrows the schedule.
                             if self.got[i].is_none() && !self.absent[i] {
                                 self.waiting -= 1;

@@ -15,12 +15,13 @@
 //! * Rounds `t` with `(t + 1) mod tau == 0` are blocking global syncs: they run only when the
 //!   compute side arrives, and finish only when every rank has contributed.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::round_map::RoundMap;
 use super::run::Members;
 use super::{Action, Engine, Owner, ReqId, Response, Time};
 use crate::Rank;
@@ -275,9 +276,9 @@ pub(super) struct Stream {
     /// DropLate: `published` holds a gradient that no round has consumed yet.
     unconsumed: bool,
     next_round: u64,
-    activated: BTreeSet<u64>,
+    activated: RoundMap<()>,
     executing: Option<u64>,
-    results: BTreeMap<u64, Outcome>,
+    results: RoundMap<Outcome>,
     waiter: Option<Waiter>,
 }
 
@@ -343,14 +344,16 @@ impl Stream {
     /// Whether `round` is activated here and waits to run.
     #[cfg(test)]
     pub fn is_activated(&self, round: u64) -> bool {
-        self.activated.contains(&round)
+        self.activated.contains(round)
     }
 
     pub fn describe_wait(&self) -> Option<String> {
         self.waiter.as_ref().map(|w| {
             format!(
                 "compute side waits for round {} (next to run: {}, activated: {:?})",
-                w.round, self.next_round, self.activated
+                w.round,
+                self.next_round,
+                self.activated.rounds().collect::<Vec<_>>()
             )
         })
     }
@@ -416,9 +419,9 @@ impl Engine {
             published_steps: cfg.initial_steps,
             unconsumed: false,
             next_round: cfg.initial_steps,
-            activated: BTreeSet::new(),
+            activated: RoundMap::default(),
             executing: None,
-            results: BTreeMap::new(),
+            results: RoundMap::default(),
             waiter: None,
         });
         self.opened_streams += 1;
@@ -503,7 +506,7 @@ impl Engine {
                 }
                 let s = self.stream.as_mut().expect("checked above");
                 if own || s.trigger == Trigger::Lockstep {
-                    s.activated.insert(round);
+                    s.activated.insert(round, ());
                 }
                 self.try_start(now);
             }
@@ -628,7 +631,7 @@ impl Engine {
         if round < s.next_round || s.executing == Some(round) || s.is_sync(round) {
             return;
         }
-        s.activated.insert(round);
+        s.activated.insert(round, ());
         self.try_start(now);
         self.try_deliver(out);
     }
@@ -638,8 +641,7 @@ impl Engine {
         let Some(s) = self.stream.as_ref() else {
             return;
         };
-        if s.executing.is_none() && s.activated.contains(&s.next_round) && !s.is_sync(s.next_round)
-        {
+        if s.executing.is_none() && s.activated.contains(s.next_round) && !s.is_sync(s.next_round) {
             let r = s.next_round;
             self.start_round(now, r);
         }
@@ -652,7 +654,7 @@ impl Engine {
         let Some(s) = self.stream.as_mut() else {
             return;
         };
-        s.activated.remove(&round);
+        s.activated.remove(round);
         s.executing = Some(round);
         let sync = s.is_sync(round);
         let members: Vec<Rank> = if sync {
@@ -785,8 +787,8 @@ impl Engine {
             return;
         };
         let chosen = match s.read {
-            ReadMode::Latest => s.results.range(w.round..).next_back().map(|(&r, _)| r),
-            ReadMode::Exact => s.results.contains_key(&w.round).then_some(w.round),
+            ReadMode::Latest => s.results.latest_from(w.round),
+            ReadMode::Exact => s.results.contains(w.round).then_some(w.round),
         };
         let Some(r) = chosen else {
             return;
@@ -794,20 +796,21 @@ impl Engine {
         let outcome = match s.read {
             ReadMode::Latest => {
                 // Keep the chosen result: a rank far behind may read it again next iteration.
-                let kept = s.results.split_off(&r);
-                for (_, old) in std::mem::replace(&mut s.results, kept) {
+                for old in s.results.drain_before(r) {
                     if let Ok(p) = Arc::try_unwrap(old.sum) {
                         p.recycle();
                     }
                 }
-                let o = &s.results[&r];
+                let Some(o) = s.results.get(r) else {
+                    return;
+                };
                 Outcome {
                     kind: o.kind,
                     sum: Arc::clone(&o.sum),
                     members: o.members.clone(),
                 }
             }
-            ReadMode::Exact => match s.results.remove(&r) {
+            ReadMode::Exact => match s.results.remove(r) {
                 Some(o) => o,
                 None => return,
             },
@@ -836,6 +839,8 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
+
     use crate::util::Histogram;
 
     #[test]

@@ -55,6 +55,9 @@ fn hash(seed: u64, words: &[u64]) -> u64 {
     words.iter().fold(mix(seed), |h, &w| mix(h ^ w))
 }
 
+/// The last word hashed into an event's tie-break, after its identity.
+const TIE: u64 = 0x7469_6521;
+
 /// A hash as a uniform number in `[0, 1)`.
 fn unit(h: u64) -> f64 {
     (h >> 11) as f64 / (1u64 << 53) as f64
@@ -198,7 +201,8 @@ struct Core {
     /// Free entries of `slab`.
     free: Vec<usize>,
     seq: u64,
-    seed: u64,
+    /// `mix(seed)`: where every hash of the seed and an identity starts (see [`hash`]).
+    seed_hash: u64,
     network: Box<dyn NetworkModel>,
     /// Every rank's requests in flight, by id (unique across ranks): one table stays in cache
     /// where one per rank was cold at nearly every request.
@@ -221,7 +225,7 @@ impl Core {
             slab: Vec::new(),
             free: Vec::new(),
             seq: 0,
-            seed: vcfg.seed,
+            seed_hash: mix(vcfg.seed),
             network: vcfg.network,
             slots: FxHashMap::default(),
             next_req: 0,
@@ -231,10 +235,16 @@ impl Core {
         }
     }
 
-    /// Schedules `event`, whose identity ([`message_key`], [`timer_key`] or [`tick_key`]) is
-    /// `key`, at `at`.
-    fn schedule(&mut self, at: Duration, key: u64, event: Event) {
-        let tie = hash(self.seed, &[key, 0x7469_6521]);
+    /// `hash(seed, &[key])` for the identity `key` ([`message_key`], [`timer_key`] or
+    /// [`tick_key`]) of an event.
+    fn identity(&self, key: u64) -> u64 {
+        mix(self.seed_hash ^ key)
+    }
+
+    /// Schedules `event`, whose identity hashed with the seed ([`Core::identity`]) is
+    /// `identity`, at `at`. Its tie-break is `hash(seed, &[key, TIE])`.
+    fn schedule(&mut self, at: Duration, identity: u64, event: Event) {
+        let tie = mix(identity ^ TIE);
         self.seq += 1;
         let slot = match self.free.pop() {
             Some(i) => {
@@ -313,12 +323,13 @@ impl Core {
                 Action::Send { to, env } => {
                     let bytes = env.wire_bytes();
                     let key = message_key(to, &env);
-                    let noise = unit(hash(self.seed, &[key]));
+                    let identity = self.identity(key);
+                    let noise = unit(identity);
                     // Messages may overtake each other (the engine matches them by tag): no
                     // ordering state outlives the messages, so a run resumed at a barrier
                     // replays the uninterrupted one.
                     let at = self.network.arrival(self.now, rank, to, bytes, noise);
-                    self.schedule(at, key, Event::Deliver { to, env });
+                    self.schedule(at, identity, Event::Deliver { to, env });
                 }
                 Action::Complete { id, result } => {
                     if let Some(slot) = self.slots.remove(&id) {
@@ -335,7 +346,8 @@ impl Core {
             && self.tick_at[rank].is_none_or(|t| d < t)
         {
             self.tick_at[rank] = Some(d);
-            self.schedule(d.max(self.now), tick_key(rank), Event::Tick { rank });
+            let identity = self.identity(tick_key(rank));
+            self.schedule(d.max(self.now), identity, Event::Tick { rank });
         }
     }
 
@@ -407,9 +419,10 @@ impl Port for VirtualPort {
         let mut core = lock(&self.core);
         let slot = Slot::new();
         let at = core.now + d;
+        let identity = core.identity(timer_key(self.rank));
         core.schedule(
             at,
-            timer_key(self.rank),
+            identity,
             Event::Timer {
                 slot: Arc::clone(&slot),
                 rank: self.rank,
@@ -565,13 +578,16 @@ where
 mod tests {
     use super::*;
 
+    const SEED: u64 = 7;
+
     fn core(ranks: usize) -> Core {
-        Core::new(ranks, EngineConfig::default(), VirtualConfig::seeded(7))
+        Core::new(ranks, EngineConfig::default(), VirtualConfig::seeded(SEED))
     }
 
     fn tick(core: &mut Core, micros: u64, rank: Rank) {
         let at = Duration::from_micros(micros);
-        core.schedule(at, tick_key(rank), Event::Tick { rank });
+        let identity = core.identity(tick_key(rank));
+        core.schedule(at, identity, Event::Tick { rank });
     }
 
     /// Pops every event, returning (time in microseconds, rank).
@@ -616,7 +632,7 @@ mod tests {
         for (i, rank) in [5, 3, 7, 1, 0, 6, 2, 4, 5, 3].into_iter().enumerate() {
             let micros = 20 + (i as u64 % 3);
             tick(&mut c, micros, rank);
-            let tie = hash(c.seed, &[tick_key(rank), 0x7469_6521]);
+            let tie = hash(SEED, &[tick_key(rank), TIE]);
             heap.push(Reverse(Scheduled::new(
                 Duration::from_micros(micros),
                 tie,

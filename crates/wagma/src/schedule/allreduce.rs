@@ -2,6 +2,7 @@
 
 use super::{AlgorithmChoice, AllreduceAlgorithm, Combine, Phase, Schedule, Transfer};
 use crate::Rank;
+use smallvec::smallvec;
 
 /// The allreduce of a buffer of `len` elements among `members` (sorted, containing `rank`),
 /// with the algorithm `choice` resolves to. A rank outside `members` gets an empty schedule.
@@ -30,26 +31,26 @@ pub fn reduce_broadcast(rank: Rank, members: &[Rank], len: usize) -> Schedule {
     let phases = if rank == root {
         vec![
             Phase {
-                sends: vec![],
+                sends: smallvec![],
                 recvs: others.iter().map(|&m| whole(m, len, 0)).collect(),
                 combine: Combine::Sum,
             },
             Phase {
                 sends: others.iter().map(|&m| whole(m, len, 1)).collect(),
-                recvs: vec![],
+                recvs: smallvec![],
                 combine: Combine::Copy,
             },
         ]
     } else {
         vec![
             Phase {
-                sends: vec![whole(root, len, 0)],
-                recvs: vec![],
+                sends: smallvec![whole(root, len, 0)],
+                recvs: smallvec![],
                 combine: Combine::Copy,
             },
             Phase {
-                sends: vec![],
-                recvs: vec![whole(root, len, 1)],
+                sends: smallvec![],
+                recvs: smallvec![whole(root, len, 1)],
                 combine: Combine::Copy,
             },
         ]
@@ -84,13 +85,13 @@ pub fn recursive_doubling(rank: Rank, members: &[Rank], len: usize) -> Schedule 
     if idx >= q {
         let partner = members[idx - q];
         phases.push(Phase {
-            sends: vec![whole(partner, len, 0)],
-            recvs: vec![],
+            sends: smallvec![whole(partner, len, 0)],
+            recvs: smallvec![],
             combine: Combine::Copy,
         });
         phases.push(Phase {
-            sends: vec![],
-            recvs: vec![whole(partner, len, out_step)],
+            sends: smallvec![],
+            recvs: smallvec![whole(partner, len, out_step)],
             combine: Combine::Copy,
         });
         return Schedule { len, phases };
@@ -98,23 +99,23 @@ pub fn recursive_doubling(rank: Rank, members: &[Rank], len: usize) -> Schedule 
     let extra = (idx + q < n).then(|| members[idx + q]);
     if let Some(e) = extra {
         phases.push(Phase {
-            sends: vec![],
-            recvs: vec![whole(e, len, 0)],
+            sends: smallvec![],
+            recvs: smallvec![whole(e, len, 0)],
             combine: Combine::Sum,
         });
     }
     for k in 0..levels {
         let partner = members[idx ^ (1 << k)];
         phases.push(Phase {
-            sends: vec![whole(partner, len, k + 1)],
-            recvs: vec![whole(partner, len, k + 1)],
+            sends: smallvec![whole(partner, len, k + 1)],
+            recvs: smallvec![whole(partner, len, k + 1)],
             combine: Combine::Sum,
         });
     }
     if let Some(e) = extra {
         phases.push(Phase {
-            sends: vec![whole(e, len, out_step)],
-            recvs: vec![],
+            sends: smallvec![whole(e, len, out_step)],
+            recvs: smallvec![],
             combine: Combine::Copy,
         });
     }
@@ -169,12 +170,12 @@ fn halving_doubling(idx: usize, members: &[Rank], len: usize) -> Schedule {
         let (keep, give) = split(lo, hi, k);
         spans.push((lo, hi));
         phases.push(Phase {
-            sends: vec![Transfer {
+            sends: smallvec![Transfer {
                 peer,
                 range: give,
                 step: k,
             }],
-            recvs: vec![Transfer {
+            recvs: smallvec![Transfer {
                 peer,
                 range: keep.clone(),
                 step: k,
@@ -189,12 +190,12 @@ fn halving_doubling(idx: usize, members: &[Rank], len: usize) -> Schedule {
         let (mine, theirs) = split(plo, phi, k);
         let step = 2 * levels - 1 - k;
         phases.push(Phase {
-            sends: vec![Transfer {
+            sends: smallvec![Transfer {
                 peer,
                 range: mine,
                 step,
             }],
-            recvs: vec![Transfer {
+            recvs: smallvec![Transfer {
                 peer,
                 range: theirs,
                 step,

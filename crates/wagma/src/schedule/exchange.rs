@@ -4,6 +4,7 @@
 use super::{Combine, Cost, Phase, Schedule, Transfer};
 use crate::Rank;
 use crate::topology::activation_edges;
+use smallvec::smallvec;
 
 /// One phase that sends the whole buffer to every rank of `send_to` and sums what arrives from
 /// every rank of `recv_from` (in rank order, with the local buffer). With `send_to == recv_from`
@@ -44,8 +45,8 @@ pub fn exchange_right_then_left(left: Rank, right: Rank, len: usize) -> Schedule
         len,
         phases: vec![
             Phase {
-                sends: vec![t(left, 0..0, 0)],
-                recvs: vec![t(right, 0..0, 0)],
+                sends: smallvec![t(left, 0..0, 0)],
+                recvs: smallvec![t(right, 0..0, 0)],
                 combine: Combine::Copy,
             },
             Phase {
@@ -71,17 +72,17 @@ pub fn pair_request(passive: Rank, len: usize) -> Schedule {
         len,
         phases: vec![
             Phase {
-                sends: vec![Transfer {
+                sends: smallvec![Transfer {
                     peer: passive,
                     range: 0..len,
                     step: 0,
                 }],
-                recvs: vec![],
+                recvs: smallvec![],
                 combine: Combine::Copy,
             },
             Phase {
-                sends: vec![],
-                recvs: vec![Transfer {
+                sends: smallvec![],
+                recvs: smallvec![Transfer {
                     peer: passive,
                     range: 0..len,
                     step: 1,

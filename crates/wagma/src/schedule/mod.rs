@@ -20,6 +20,7 @@ mod exchange;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::Rank;
 
@@ -50,13 +51,18 @@ pub enum Combine {
     Copy,
 }
 
+/// The transfers of one side of a phase. Most phases send and receive one message, held in
+/// place: a phase is read when a message reaches its rank, and a separate allocation for each
+/// side was a cache miss per message in simulations of thousands of ranks.
+pub type Transfers = SmallVec<[Transfer; 1]>;
+
 /// One phase: post the sends, wait for the receives, combine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Phase {
     /// Sends, posted when the phase starts.
-    pub sends: Vec<Transfer>,
+    pub sends: Transfers,
     /// Receives that must all arrive before the phase completes.
-    pub recvs: Vec<Transfer>,
+    pub recvs: Transfers,
     /// How the receives are folded in.
     pub combine: Combine,
 }
