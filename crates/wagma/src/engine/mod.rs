@@ -771,13 +771,26 @@ impl Engine {
 
     /// The earliest time at which [`Engine::on_tick`] has something to check.
     pub fn next_deadline(&self) -> Option<Time> {
+        self.next_deadline_until(Time::MAX)
+    }
+
+    /// [`Engine::next_deadline`] if it is at or before `horizon`. Operations time out
+    /// `cfg.timeout` after they start, so with a timeout beyond the horizon (a simulation's,
+    /// effectively off) they are not read: the executor asks after every event.
+    pub fn next_deadline_until(&self, horizon: Time) -> Option<Time> {
         if self.failed.is_some() {
             return None;
         }
-        let runs = self.running.iter().map(|r| r.timer_from + self.cfg.timeout);
+        let timed = self.cfg.timeout <= horizon;
+        let runs = self
+            .running
+            .iter()
+            .filter(|_| timed)
+            .map(|r| r.timer_from + self.cfg.timeout);
         let wait = self
             .stream
             .as_ref()
+            .filter(|_| timed)
             .and_then(|s| s.waiting_since())
             .map(|t| t + self.cfg.timeout);
         let beat = self.liveness.as_ref().map(|l| l.next_deadline());
@@ -785,6 +798,7 @@ impl Engine {
             .chain(beat)
             .chain(self.welcome_deadline())
             .min()
+            .filter(|&d| d <= horizon)
     }
 
     /// The operation to blame in an error that is not tied to one schedule.

@@ -13,6 +13,7 @@ use std::cmp::Reverse;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
@@ -340,9 +341,8 @@ impl Core {
         }
         // One pending tick per rank, at its earliest deadline: a later deadline waits for
         // that tick, which reschedules (see `handle`).
-        let deadline = self.engines[rank].next_deadline();
+        let deadline = self.engines[rank].next_deadline_until(HORIZON);
         if let Some(d) = deadline
-            && d <= HORIZON
             && self.tick_at[rank].is_none_or(|t| d < t)
         {
             self.tick_at[rank] = Some(d);
@@ -439,9 +439,18 @@ impl Port for VirtualPort {
     }
 }
 
+/// The tasks woken since the scheduler last looked.
+#[derive(Default)]
+struct Runnable {
+    ids: Mutex<Vec<usize>>,
+    /// Set with every wake: most events wake no task, and the scheduler then goes on to the
+    /// next event without taking the lock.
+    any: AtomicBool,
+}
+
 struct TaskWaker {
     id: usize,
-    runnable: Arc<Mutex<Vec<usize>>>,
+    runnable: Arc<Runnable>,
 }
 
 impl Wake for TaskWaker {
@@ -450,9 +459,11 @@ impl Wake for TaskWaker {
     }
     fn wake_by_ref(self: &Arc<Self>) {
         self.runnable
+            .ids
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(self.id);
+        self.runnable.any.store(true, Ordering::Release);
     }
 }
 
@@ -482,7 +493,10 @@ where
             Comm::new(rank, ranks, cfg, Arc::new(port))
         })
         .collect();
-    let runnable = Arc::new(Mutex::new((0..ranks).collect::<Vec<_>>()));
+    let runnable = Arc::new(Runnable {
+        ids: Mutex::new((0..ranks).collect()),
+        any: AtomicBool::new(true),
+    });
     let wakers: Vec<Waker> = (0..ranks)
         .map(|id| {
             Waker::from(Arc::new(TaskWaker {
@@ -502,16 +516,15 @@ where
         let mut live = ranks;
         // Swapped with the wakers' list, so that neither allocates once grown.
         let mut batch: Vec<usize> = Vec::new();
-        while live > 0 {
-            loop {
+        'run: while live > 0 {
+            // The tasks woken by the last event (and by those polled meanwhile) run before the
+            // next event.
+            while runnable.any.swap(false, Ordering::Acquire) {
                 batch.clear();
                 std::mem::swap(
                     &mut batch,
-                    &mut *runnable.lock().unwrap_or_else(|e| e.into_inner()),
+                    &mut *runnable.ids.lock().unwrap_or_else(|e| e.into_inner()),
                 );
-                if batch.is_empty() {
-                    break;
-                }
                 batch.sort_unstable();
                 batch.dedup();
                 let seed = vcfg_seed;
@@ -536,25 +549,30 @@ where
             if live == 0 {
                 break;
             }
-            // One lock for taking the next event and handling it.
+            // One lock for the events up to the next that wakes a task.
             let mut c = lock(&core);
-            match c.next_event() {
-                Some(event) => c.handle(event),
-                None => {
-                    let blocked: Vec<String> = (0..ranks)
-                        .filter(|&r| tasks[r].is_some())
-                        .map(|r| format!("rank {r}: {}", c.engines[r].describe_wait()))
-                        .collect();
-                    for (r, t) in tasks.iter_mut().enumerate() {
-                        if t.take().is_some() {
-                            outcomes[r] = Some((
-                                Err(Error::Deadlock {
-                                    blocked: blocked.clone(),
-                                }),
-                                c.now,
-                            ));
+            loop {
+                match c.next_event() {
+                    Some(event) => c.handle(event),
+                    None => {
+                        let blocked: Vec<String> = (0..ranks)
+                            .filter(|&r| tasks[r].is_some())
+                            .map(|r| format!("rank {r}: {}", c.engines[r].describe_wait()))
+                            .collect();
+                        for (r, t) in tasks.iter_mut().enumerate() {
+                            if t.take().is_some() {
+                                outcomes[r] = Some((
+                                    Err(Error::Deadlock {
+                                        blocked: blocked.clone(),
+                                    }),
+                                    c.now,
+                                ));
+                            }
                         }
+                        break 'run;
                     }
+                }
+                if runnable.any.load(Ordering::Acquire) {
                     break;
                 }
             }
