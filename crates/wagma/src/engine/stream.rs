@@ -500,12 +500,14 @@ impl Engine {
                     Trigger::Majority { seed } => initiator(seed, round, ranks) == rank,
                     Trigger::Lockstep => false,
                 };
+                let lockstep = s.trigger == Trigger::Lockstep;
                 if own {
                     let seq = stream_seq(self.epoch(), round);
                     self.forward_activation(now, seq, rank, None, out);
                 }
-                let s = self.stream.as_mut().expect("checked above");
-                if own || s.trigger == Trigger::Lockstep {
+                if (own || lockstep)
+                    && let Some(s) = self.stream.as_mut()
+                {
                     s.activated.insert(round, ());
                 }
                 self.try_start(now);
