@@ -781,20 +781,17 @@ impl Engine {
         if self.failed.is_some() {
             return None;
         }
-        let timed = self.cfg.timeout <= horizon;
-        let runs = self
-            .running
-            .iter()
-            .filter(|_| timed)
-            .map(|r| r.timer_from + self.cfg.timeout);
-        let wait = self
-            .stream
-            .as_ref()
-            .filter(|_| timed)
-            .and_then(|s| s.waiting_since())
-            .map(|t| t + self.cfg.timeout);
+        let timeout = self.cfg.timeout;
+        let operations = if timeout <= horizon {
+            let runs = self.running.iter().map(|r| r.timer_from);
+            let wait = self.stream.as_ref().and_then(|s| s.waiting_since());
+            runs.chain(wait).min().map(|started| started + timeout)
+        } else {
+            None
+        };
         let beat = self.liveness.as_ref().map(|l| l.next_deadline());
-        runs.chain(wait)
+        operations
+            .into_iter()
             .chain(beat)
             .chain(self.welcome_deadline())
             .min()

@@ -7,7 +7,6 @@ use std::collections::VecDeque;
 /// in round order (rounds run in order), so an insert is a push at the back and a removal
 /// is usually at the front; unlike a `BTreeMap`, the deque keeps its memory when it empties,
 /// as it does at nearly every round.
-#[derive(Debug)]
 pub(super) struct RoundMap<T> {
     entries: VecDeque<(u64, T)>,
 }

@@ -269,26 +269,26 @@ impl Running {
         }
         // This rank's own list starts as itself and grows only by merging checked lists, so a
         // list equal to it (every message of an allgather's second half) is valid.
-        if self.track && env.meta.contributions == self.contributions {
-            env.meta.contributions = Vec::new();
-        } else if self.track
-            && let Some(bad) = foreign_contribution(&self.members, &env.meta.contributions)
-        {
-            // A peer may only report members of this group, each once: otherwise it would
-            // inflate the divisor of an average.
-            return Err(Error::Protocol {
-                rank,
-                op: self.op.clone(),
-                detail: format!(
-                    "peer {} reported contributions {:?}; {bad}",
-                    env.from,
-                    env.meta
-                        .contributions
-                        .iter()
-                        .map(|c| c.rank)
-                        .collect::<Vec<_>>(),
-                ),
-            });
+        if self.track {
+            if env.meta.contributions == self.contributions {
+                env.meta.contributions = Vec::new();
+            } else if let Some(bad) = foreign_contribution(&self.members, &env.meta.contributions) {
+                // A peer may only report members of this group, each once: otherwise it would
+                // inflate the divisor of an average.
+                return Err(Error::Protocol {
+                    rank,
+                    op: self.op.clone(),
+                    detail: format!(
+                        "peer {} reported contributions {:?}; {bad}",
+                        env.from,
+                        env.meta
+                            .contributions
+                            .iter()
+                            .map(|c| c.rank)
+                            .collect::<Vec<_>>(),
+                    ),
+                });
+            }
         }
         if env.data.len() != expect {
             return Err(Error::Protocol {
@@ -567,8 +567,8 @@ fn fold_weights(rank: Rank, own: f64, others: &mut [(Rank, f64)]) -> f64 {
 /// Adds the sorted, rank-unique `more` to the sorted, rank-unique `into`, keeping the newest
 /// contribution of a rank named by both.
 fn merge(into: &mut Vec<Contribution>, more: &[Contribution]) {
-    // The second half of an allreduce passes around lists every member already has.
-    if more.is_empty() || into.as_slice() == more {
+    // A list equal to `into` arrives empty: `Running::validate` takes it out.
+    if more.is_empty() {
         return;
     }
     if into.last().is_none_or(|l| l.rank < more[0].rank) {

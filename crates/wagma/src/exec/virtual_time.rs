@@ -440,7 +440,6 @@ impl Port for VirtualPort {
 }
 
 /// The tasks woken since the scheduler last looked.
-#[derive(Default)]
 struct Runnable {
     ids: Mutex<Vec<usize>>,
     /// Set with every wake: most events wake no task, and the scheduler then goes on to the

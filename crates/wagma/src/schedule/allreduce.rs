@@ -1,8 +1,9 @@
 //! Allreduce (sum) schedules inside a group of ranks.
 
+use smallvec::smallvec;
+
 use super::{AlgorithmChoice, AllreduceAlgorithm, Combine, Phase, Schedule, Transfer};
 use crate::Rank;
-use smallvec::smallvec;
 
 /// The allreduce of a buffer of `len` elements among `members` (sorted, containing `rank`),
 /// with the algorithm `choice` resolves to. A rank outside `members` gets an empty schedule.

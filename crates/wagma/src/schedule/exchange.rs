@@ -1,10 +1,11 @@
 //! Point-to-point patterns: neighbour exchange, push-sum step, AD-PSGD's pairwise request and
 //! the activation broadcast's cost.
 
+use smallvec::smallvec;
+
 use super::{Combine, Cost, Phase, Schedule, Transfer};
 use crate::Rank;
 use crate::topology::activation_edges;
-use smallvec::smallvec;
 
 /// One phase that sends the whole buffer to every rank of `send_to` and sums what arrives from
 /// every rank of `recv_from` (in rank order, with the local buffer). With `send_to == recv_from`
