@@ -226,24 +226,46 @@ impl Payload {
         }
     }
 
-    /// `a + b` elementwise into a new (recycled) buffer; virtual if either is.
-    pub fn sum_of(a: &Payload, b: &Payload) -> Payload {
+    /// `a op b` elementwise into a new (recycled) buffer; virtual if either is.
+    pub fn reduce_of(a: &Payload, b: &Payload, op: Reduce) -> Payload {
         if a.is_virtual() || b.is_virtual() {
             return Payload::Size(a.len());
         }
         let mut v = pool::take(a.len());
-        v.extend(a.as_slice().iter().zip(b.as_slice()).map(|(x, y)| x + y));
+        let pairs = a.as_slice().iter().zip(b.as_slice());
+        match op {
+            Reduce::Sum => v.extend(pairs.map(|(x, y)| x + y)),
+            Reduce::Max => v.extend(pairs.map(|(&x, &y)| Reduce::max(x, y))),
+        }
         Payload::Data(v)
+    }
+
+    /// `a + b` elementwise into a new (recycled) buffer; virtual if either is.
+    pub fn sum_of(a: &Payload, b: &Payload) -> Payload {
+        Payload::reduce_of(a, b, Reduce::Sum)
+    }
+
+    /// `self[range] = self[range] op other` elementwise.
+    pub fn reduce_at(&mut self, range: Range<usize>, other: &Payload, op: Reduce) {
+        if self.is_virtual() || other.is_virtual() {
+            return;
+        }
+        let pairs = self.as_mut_slice()[range].iter_mut().zip(other.as_slice());
+        match op {
+            Reduce::Sum => pairs.for_each(|(x, y)| *x += *y),
+            Reduce::Max => pairs.for_each(|(x, &y)| *x = Reduce::max(*x, y)),
+        }
     }
 
     /// `self[range] += other` elementwise.
     pub fn add_at(&mut self, range: Range<usize>, other: &Payload) {
-        if self.is_virtual() || other.is_virtual() {
-            return;
-        }
-        for (x, y) in self.as_mut_slice()[range].iter_mut().zip(other.as_slice()) {
-            *x += *y;
-        }
+        self.reduce_at(range, other, Reduce::Sum);
+    }
+
+    /// `self = self op other` elementwise (lengths must match).
+    pub fn reduce_with(&mut self, other: &Payload, op: Reduce) {
+        let n = self.len();
+        self.reduce_at(0..n, other, op);
     }
 
     /// `self[range] = other`.
@@ -266,8 +288,7 @@ impl Payload {
 
     /// `self += other` elementwise (lengths must match).
     pub fn add(&mut self, other: &Payload) {
-        let n = self.len();
-        self.add_at(0..n, other);
+        self.reduce_with(other, Reduce::Sum);
     }
 
     /// `self -= other` elementwise.
@@ -293,6 +314,23 @@ impl Payload {
     }
 }
 
+/// How two buffers combine, element by element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduce {
+    /// `x + y`.
+    Sum,
+    /// The larger of `x` and `y` in IEEE 754's total order (`-0 < +0`, a NaN with the sign
+    /// bit clear above every number): one value whatever the order of the operands, so a
+    /// maximum is the same bits on every schedule.
+    Max,
+}
+
+impl Reduce {
+    fn max(x: f32, y: f32) -> f32 {
+        if y.total_cmp(&x).is_gt() { y } else { x }
+    }
+}
+
 fn owned(a: Arc<Vec<f32>>, r: Range<usize>) -> Vec<f32> {
     if r.start == 0 && r.end == a.len() {
         match Arc::try_unwrap(a) {
@@ -307,6 +345,26 @@ fn owned(a: Arc<Vec<f32>>, r: Range<usize>) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_maximum_is_the_same_whatever_the_order_of_its_operands() {
+        let xs = [0.0f32, -0.0, 1.5, f32::NAN, -f32::NAN, -3.0, f32::INFINITY];
+        for &x in &xs {
+            for &y in &xs {
+                let (a, b) = (Payload::Data(vec![x]), Payload::Data(vec![y]));
+                let xy = Payload::reduce_of(&a, &b, Reduce::Max).into_vec()[0];
+                let yx = Payload::reduce_of(&b, &a, Reduce::Max).into_vec()[0];
+                assert_eq!(xy.to_bits(), yx.to_bits(), "max({x}, {y})");
+                let mut c = a.clone();
+                c.reduce_with(&b, Reduce::Max);
+                assert_eq!(c.into_vec()[0].to_bits(), xy.to_bits());
+            }
+        }
+        let max = |x: f32, y: f32| Reduce::max(x, y).to_bits();
+        assert_eq!(max(-0.0, 0.0), 0.0f32.to_bits());
+        assert_eq!(max(-3.0, 1.5), 1.5f32.to_bits());
+        assert_eq!(max(f32::INFINITY, 1.5), f32::INFINITY.to_bits());
+    }
 
     #[test]
     fn views_share_until_written() {

@@ -43,10 +43,28 @@ fn allreduce_case(exec: Exec, p: usize, len: usize, alg: u8, seed: u64) {
         let r = c.allreduce(Payload::Data(model(c.rank(), 0, len))).await?;
         // A second collective on the same connections must not mix with the first.
         let r2 = c.allreduce(Payload::Data(model(c.rank(), 1, len))).await?;
-        Ok((r.into_vec(), r2.into_vec()))
+        let max = c
+            .allreduce_max(Payload::Data(model(c.rank(), 2, len)))
+            .await?;
+        Ok((r.into_vec(), r2.into_vec(), max.into_vec()))
     })
     .into_all()
     .unwrap();
+    // A maximum is exact: the same bits as the sequential one.
+    let want_max: Vec<f32> = (0..len)
+        .map(|i| {
+            (0..p)
+                .map(|r| value(r, 2, i))
+                .max_by(f32::total_cmp)
+                .unwrap_or_default()
+        })
+        .collect();
+    for (rank, o) in out.iter().enumerate() {
+        assert_eq!(
+            o.2, want_max,
+            "maximum: P={p} len={len} alg={alg} rank {rank}"
+        );
+    }
     for (k, pick) in [0u64, 1].into_iter().zip([0usize, 1]) {
         let want: Vec<f64> = (0..len)
             .map(|i| (0..p).map(|r| value(r, k, i) as f64).sum())

@@ -133,28 +133,31 @@ pub async fn run(comm: &mut Comm, spec: &Spec) -> Result<JobStats, Error> {
         let before = base_staleness.count(v);
         staleness[(v as usize).min(STALENESS_BUCKETS - 1)] += (c - before) as f32;
     }
-    // Totals over ranks: wall is a maximum, so each rank contributes its own in its slot.
-    let mut v = vec![0f32; p + 2 + STALENESS_BUCKETS];
-    v[rank] = wall as f32;
-    v[p] = wait as f32;
-    v[p + 1] = compute as f32;
-    v[p + 2..].copy_from_slice(&staleness);
+    // Totals over ranks: the job's wall time is the longest, the rest are sums. This rank's
+    // overhead is taken from its own exact times, not from the difference of rounded sums.
+    let longest = comm
+        .allreduce_max(Payload::Data(vec![wall as f32]))
+        .await?
+        .into_vec();
+    let overhead = (wall - wait - compute).max(0.0);
+    let mut v = vec![0f32; 3 + STALENESS_BUCKETS];
+    v[0] = wait as f32;
+    v[1] = compute as f32;
+    v[2] = overhead as f32;
+    v[3..].copy_from_slice(&staleness);
     let sum = comm.allreduce(Payload::Data(v)).await?.into_vec();
     let mut hist = Histogram::default();
-    for (s, &c) in sum[p + 2..].iter().enumerate() {
+    for (s, &c) in sum[3..].iter().enumerate() {
         hist.record_n(s as u64, c.round() as u64);
     }
-    let (wait_s, compute_s) = (f64::from(sum[p]), f64::from(sum[p + 1]));
-    let own_walls: f64 = sum[..p].iter().map(|&w| f64::from(w)).sum();
     Ok(JobStats {
         ranks: p,
         steps: spec.steps,
         batch: spec.batch,
-        wall_s: sum[..p].iter().copied().fold(0.0f32, f32::max) as f64,
-        wait_s,
-        compute_s,
-        // Rounding of the f32 totals can make a tiny remainder negative.
-        overhead_s: (own_walls - wait_s - compute_s).max(0.0),
+        wall_s: longest.first().copied().map_or(0.0, f64::from),
+        wait_s: f64::from(sum[0]),
+        compute_s: f64::from(sum[1]),
+        overhead_s: f64::from(sum[2]),
         staleness: hist,
     })
 }

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use crate::Rank;
-use crate::payload::{Payload, pool};
+use crate::payload::{Payload, Reduce, pool};
 
 /// Segments that tile `0..len` in order.
 pub(super) struct WorkBuf {
@@ -79,10 +79,16 @@ impl WorkBuf {
         (self.view(range.clone()), false)
     }
 
-    /// Sets `range` to the sum of this rank's values and `others`, folded left in ascending
-    /// rank order: `((x_a + x_b) + x_c) + ...`. Leaves `others` empty (its capacity is the
-    /// caller's to reuse).
-    pub fn sum(&mut self, rank: Rank, range: Range<usize>, others: &mut Vec<(Rank, Payload)>) {
+    /// Sets `range` to this rank's values and `others` combined by `op`, folded left in
+    /// ascending rank order: `((x_a + x_b) + x_c) + ...` for a sum. Leaves `others` empty (its
+    /// capacity is the caller's to reuse).
+    pub fn reduce(
+        &mut self,
+        rank: Rank,
+        range: Range<usize>,
+        others: &mut Vec<(Rank, Payload)>,
+        op: Reduce,
+    ) {
         if others.is_empty() {
             return;
         }
@@ -96,10 +102,10 @@ impl WorkBuf {
         items.sort_by_key(|(r, _)| *r);
         let own = items.iter().position(|(r, _)| *r == rank).unwrap_or(0);
         let result = if exclusive && own <= 1 {
-            // (a + b) == (b + a) bit for bit: add into our own buffer.
+            // (a + b) == (b + a) bit for bit (a maximum too): fold into our own buffer.
             let (_, mut acc) = items.remove(own);
             for (_, p) in items.drain(..) {
-                acc.add(&p);
+                acc.reduce_with(&p, op);
                 p.recycle();
             }
             acc
@@ -109,11 +115,11 @@ impl WorkBuf {
             match it.next() {
                 None => first,
                 Some((_, second)) => {
-                    let mut acc = Payload::sum_of(&first, &second);
+                    let mut acc = Payload::reduce_of(&first, &second, op);
                     first.recycle();
                     second.recycle();
                     for (_, p) in it {
-                        acc.add(&p);
+                        acc.reduce_with(&p, op);
                         p.recycle();
                     }
                     acc
@@ -176,14 +182,14 @@ mod tests {
             (0, Payload::Data(vec![10.0, 20.0])),
             (2, Payload::Data(vec![100.0, 200.0])),
         ];
-        b.sum(1, 0..2, &mut others);
+        b.reduce(1, 0..2, &mut others, Reduce::Sum);
         assert!(others.is_empty());
         b.replace(2..4, Payload::Data(vec![7.0, 8.0]));
         assert_eq!(sent.as_slice(), &[3.0, 4.0]);
         assert_eq!(b.finish().as_slice(), &[111.0, 222.0, 7.0, 8.0]);
         let mut b = WorkBuf::new(Payload::Size(6));
         let mut others = vec![(1, Payload::Size(6))];
-        b.sum(0, 0..6, &mut others);
+        b.reduce(0, 0..6, &mut others, Reduce::Sum);
         assert!(others.is_empty());
         assert_eq!(b.finish(), Payload::Size(6));
     }
@@ -198,7 +204,7 @@ mod tests {
                 .filter(|&r| r != me)
                 .map(|r| (r, Payload::Data(vec![xs[r]])))
                 .collect();
-            b.sum(me, 0..1, &mut others);
+            b.reduce(me, 0..1, &mut others, Reduce::Sum);
             assert_eq!(
                 b.finish().as_slice()[0].to_bits(),
                 want.to_bits(),

@@ -11,7 +11,7 @@ use super::rank_set::RankSet;
 use super::{ReqId, Time};
 use crate::Rank;
 use crate::error::{Error, Op};
-use crate::payload::Payload;
+use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
 use crate::schedule::{Combine, Schedule};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
@@ -395,13 +395,18 @@ impl Running {
                 .zip(got.drain(..))
                 .filter_map(|(r, g)| g.map(|e| (r.range.clone(), e)));
             match phase.combine {
-                Combine::Sum => Self::sum(
+                Combine::Sum | Combine::Max => Self::reduce(
                     &mut self.buf,
                     &mut self.weight,
                     self.track.then_some(&mut self.contributions),
                     rank,
                     received,
                     scratch,
+                    if phase.combine == Combine::Max {
+                        Reduce::Max
+                    } else {
+                        Reduce::Sum
+                    },
                 ),
                 Combine::Copy => Self::copy(
                     &mut self.buf,
@@ -417,15 +422,16 @@ impl Running {
         }
     }
 
-    /// Folds the received ranges (all the same range) and the local one in ascending rank
-    /// order, weights included.
-    fn sum(
+    /// Folds the received ranges (all the same range) and the local one by `op` in ascending
+    /// rank order; the weights are summed.
+    fn reduce(
         buf: &mut WorkBuf,
         weight: &mut f64,
         mut contributions: Option<&mut Vec<Contribution>>,
         rank: Rank,
         received: impl Iterator<Item = (Range<usize>, Envelope)>,
         scratch: &mut SumScratch,
+        op: Reduce,
     ) {
         let SumScratch { summands, weights } = scratch;
         let mut range = None;
@@ -442,7 +448,7 @@ impl Running {
         };
         *weight = fold_weights(rank, *weight, weights);
         weights.clear();
-        buf.sum(rank, range, summands);
+        buf.reduce(rank, range, summands, op);
     }
 
     fn copy(

@@ -11,7 +11,7 @@ use crate::engine::{
     CollectiveRun, EngineConfig, EngineStats, Request, Response, RoundResult, StreamConfig,
 };
 use crate::error::{Error, Op};
-use crate::payload::Payload;
+use crate::payload::{Payload, Reduce};
 use crate::schedule::{self, AlgorithmChoice, AllreduceAlgorithm, Schedule};
 use crate::trace::{COMPUTE, TraceEvent, Tracer};
 use crate::transport::{Contribution, Kind};
@@ -217,24 +217,42 @@ impl Comm {
     /// sends the sum back to each, so it carries `2 (P - 1)` buffers: for results off the
     /// training path.
     pub async fn allreduce_in_rank_order(&mut self, data: Payload) -> Result<Payload, Error> {
-        let members: Vec<Rank> = (0..self.size).collect();
-        let seq = self.collective_seq;
-        self.collective_seq += 1;
         let choice = AlgorithmChoice {
             algorithm: AllreduceAlgorithm::ReduceBroadcast,
             ..self.cfg.algorithm
         };
-        self.allreduce_with(&members, seq, data, 0, &choice)
+        self.world_collective(data, &choice, Reduce::Sum)
             .await
             .map(|e| e.data)
     }
 
     /// The next collective over every rank, with its members' contributions.
     async fn allreduce_all(&mut self, data: Payload) -> Result<Exchanged, Error> {
-        let members: Vec<Rank> = (0..self.size).collect();
+        let choice = self.cfg.algorithm;
+        self.world_collective(data, &choice, Reduce::Sum).await
+    }
+
+    /// The next collective over every rank, reducing by `op`. The list of members exists only
+    /// while the schedule is built: thousands of simulated ranks waiting in the collective
+    /// would otherwise each hold one, `O(P^2)` memory in all.
+    async fn world_collective(
+        &mut self,
+        data: Payload,
+        choice: &AlgorithmChoice,
+        op: Reduce,
+    ) -> Result<Exchanged, Error> {
         let seq = self.collective_seq;
         self.collective_seq += 1;
-        self.allreduce_in(&members, seq, data, 0).await
+        let schedule = {
+            let members: Vec<Rank> = (0..self.size).collect();
+            self.allreduce_schedule(&members, data.len(), choice)
+        };
+        let schedule = match op {
+            Reduce::Sum => schedule,
+            Reduce::Max => schedule.into_max(),
+        };
+        self.run(Kind::Collective, seq, schedule, data, 0.0, 0)
+            .await
     }
 
     /// Blocking sum over `members` (sorted, containing this rank), identified by `seq`.
@@ -269,13 +287,33 @@ impl Comm {
                 detail: format!("rank is not a member of {members:?}"),
             });
         }
-        let schedule = if self.cfg.elastic {
-            schedule::exchange_among(self.rank, members.iter().copied(), data.len())
-        } else {
-            schedule::allreduce(self.rank, members, data.len(), choice)
-        };
+        let schedule = self.allreduce_schedule(members, data.len(), choice);
         self.run(Kind::Collective, seq, schedule, data, 0.0, steps)
             .await
+    }
+
+    /// This rank's program of a sum of `len` elements over `members`.
+    fn allreduce_schedule(
+        &self,
+        members: &[Rank],
+        len: usize,
+        choice: &AlgorithmChoice,
+    ) -> Schedule {
+        if self.cfg.elastic {
+            schedule::exchange_among(self.rank, members.iter().copied(), len)
+        } else {
+            schedule::allreduce(self.rank, members, len, choice)
+        }
+    }
+
+    /// Blocking elementwise maximum over all ranks ([`Reduce::Max`]: the same bits on every
+    /// transport and schedule). Every rank must call it the same number of times, in the same
+    /// order as its other collectives over all ranks. It costs what [`Comm::allreduce`] costs.
+    pub async fn allreduce_max(&mut self, data: Payload) -> Result<Payload, Error> {
+        let choice = self.cfg.algorithm;
+        self.world_collective(data, &choice, Reduce::Max)
+            .await
+            .map(|e| e.data)
     }
 
     /// The mean over all ranks (in elastic mode, over the ranks still alive). Every rank must

@@ -5,9 +5,10 @@
 //! A [`Schedule`] is a list of [`Phase`]s executed in order. A phase posts its sends (each a
 //! copy of a range of the working buffer, taken when the phase starts), waits for all its
 //! receives, then combines them into the buffer: [`Combine::Sum`] adds the contributions of a
-//! range in ascending rank order of their senders (the local buffer included), [`Combine::Copy`]
-//! overwrites. Every transfer carries a `step` number that the two sides agree on, so a message
-//! that arrives early is matched to the right phase.
+//! range in ascending rank order of their senders (the local buffer included), [`Combine::Max`]
+//! takes their maximum instead, [`Combine::Copy`] overwrites. Every transfer carries a `step`
+//! number that the two sides agree on, so a message that arrives early is matched to the right
+//! phase.
 //!
 //! Reduction order is part of the contract: every algorithm except recursive doubling computes
 //! each element as the left fold `((x_a + x_b) + x_c) + ...` over the contributors sorted by
@@ -47,6 +48,8 @@ pub enum Combine {
     /// Add, in ascending rank order of the contributors (the local buffer included). All
     /// receives of the phase cover the same range.
     Sum,
+    /// The elementwise maximum ([`Reduce::Max`](crate::payload::Reduce::Max)) of the contributors, as `Sum` otherwise.
+    Max,
     /// Overwrite each received range.
     Copy,
 }
@@ -99,6 +102,17 @@ impl std::ops::Add for Cost {
 }
 
 impl Schedule {
+    /// The same program taking the maximum where this one sums: the same messages, so a
+    /// maximum costs what a sum costs.
+    pub fn into_max(mut self) -> Schedule {
+        for p in &mut self.phases {
+            if p.combine == Combine::Sum {
+                p.combine = Combine::Max;
+            }
+        }
+        self
+    }
+
     /// Messages and bytes this rank sends, and the number of phases.
     pub fn cost(&self) -> Cost {
         let mut c = Cost {
@@ -118,7 +132,7 @@ impl Schedule {
     pub fn reduction_traffic(&self) -> usize {
         self.phases
             .iter()
-            .filter(|p| p.combine == Combine::Sum)
+            .filter(|p| matches!(p.combine, Combine::Sum | Combine::Max))
             .filter_map(|p| p.recvs.first().map(|r| (p.recvs.len(), r.range.len())))
             .map(|(k, len)| (k + 2) * len * 4)
             .sum()
