@@ -365,7 +365,7 @@ impl Engine {
 
     /// Prefetch hints for an event about to reach this engine, one level of pointers at a
     /// time, so that an executor that knows its next events can overlap their memory latency
-    /// with the work at hand: 0 and 1, the engine itself; 2, its running schedules; 3 to 5,
+    /// with the work at hand: 0 and 1, the engine itself; 2, its running schedules; 3 and 4,
     /// what each of those points to. Each level reads only what the levels before it brought
     /// in, and nothing observable changes.
     pub fn prefetch(&self, level: u8) {

@@ -158,13 +158,9 @@ impl Running {
     /// Prefetch hints for a message about to arrive, one level of pointers at a time (see
     /// [`super::Engine::prefetch`]): 3, this run's own buffers; 4, its current phase and the
     /// next (the message often completes this one, and the next is posted at once), with
-    /// their transfers when they are held in place; 5, those held apart.
+    /// their transfers when they are held in place. Transfers held apart are not prefetched:
+    /// one more level of lookahead cost more than it saved.
     pub fn prefetch(&self, level: u8) {
-        // Read only from level 4, once level 3 has asked for the schedule.
-        let phases = || {
-            let phases = self.schedule.phases.get(self.phase..).unwrap_or_default();
-            &phases[..phases.len().min(2)]
-        };
         match level {
             3 => {
                 prefetch(&*self.schedule, 0..1);
@@ -172,15 +168,10 @@ impl Running {
                 prefetch_slice(&self.absent, 1);
                 prefetch_slice(&self.contributions, 2);
             }
-            4 => prefetch_slice(phases(), 3),
-            5 => {
-                for phase in phases() {
-                    for side in [&phase.recvs, &phase.sends] {
-                        if side.spilled() {
-                            prefetch_slice(side, 2);
-                        }
-                    }
-                }
+            // Read only now that level 3 has asked for the schedule.
+            4 => {
+                let phases = self.schedule.phases.get(self.phase..).unwrap_or_default();
+                prefetch_slice(&phases[..phases.len().min(2)], 3);
             }
             _ => {}
         }

@@ -674,10 +674,14 @@ impl Engine {
             }
         };
         let arrived = s.waiter.as_ref().is_some_and(|w| w.round == round);
-        let contributions = vec![Contribution {
+        // Room for every member of a group: merging grows the list to the group's size. A
+        // sync's list grows as it goes, so that thousands of ranks do not each hold room for
+        // all of them from the start.
+        let mut contributions = Vec::with_capacity(if sync { 1 } else { members.len() });
+        contributions.push(Contribution {
             rank,
             steps: s.published_steps,
-        }];
+        });
         let (kind, op) = if sync {
             (Kind::Sync, Op::Sync(round))
         } else {
