@@ -13,7 +13,7 @@ use crate::Rank;
 use crate::error::{Error, Op};
 use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
-use crate::schedule::{Combine, Schedule};
+use crate::schedule::Schedule;
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
 /// The ranks a schedule sums over.
@@ -385,21 +385,17 @@ impl Running {
                 .iter()
                 .zip(got.drain(..))
                 .filter_map(|(r, g)| g.map(|e| (r.range.clone(), e)));
-            match phase.combine {
-                Combine::Sum | Combine::Max => Self::reduce(
+            match phase.combine.reduction() {
+                Some(op) => Self::reduce(
                     &mut self.buf,
                     &mut self.weight,
                     self.track.then_some(&mut self.contributions),
                     rank,
                     received,
                     scratch,
-                    if phase.combine == Combine::Max {
-                        Reduce::Max
-                    } else {
-                        Reduce::Sum
-                    },
+                    op,
                 ),
-                Combine::Copy => Self::copy(
+                None => Self::copy(
                     &mut self.buf,
                     &mut self.weight,
                     self.track.then_some(&mut self.contributions),

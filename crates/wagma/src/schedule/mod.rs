@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::Rank;
+use crate::payload::Reduce;
 
 pub(crate) use allreduce::chunk;
 pub use allreduce::{allreduce, recursive_doubling, reduce_broadcast, reduce_scatter_allgather};
@@ -48,10 +49,21 @@ pub enum Combine {
     /// Add, in ascending rank order of the contributors (the local buffer included). All
     /// receives of the phase cover the same range.
     Sum,
-    /// The elementwise maximum ([`Reduce::Max`](crate::payload::Reduce::Max)) of the contributors, as `Sum` otherwise.
+    /// The elementwise maximum ([`Reduce::Max`]) of the contributors, as `Sum` otherwise.
     Max,
     /// Overwrite each received range.
     Copy,
+}
+
+impl Combine {
+    /// The elementwise reduction this combination applies; `None` for a copy.
+    pub fn reduction(self) -> Option<Reduce> {
+        match self {
+            Combine::Sum => Some(Reduce::Sum),
+            Combine::Max => Some(Reduce::Max),
+            Combine::Copy => None,
+        }
+    }
 }
 
 /// The transfers of one side of a phase. Most phases send and receive one message, held in
@@ -132,7 +144,7 @@ impl Schedule {
     pub fn reduction_traffic(&self) -> usize {
         self.phases
             .iter()
-            .filter(|p| matches!(p.combine, Combine::Sum | Combine::Max))
+            .filter(|p| p.combine.reduction().is_some())
             .filter_map(|p| p.recvs.first().map(|r| (p.recvs.len(), r.range.len())))
             .map(|(k, len)| (k + 2) * len * 4)
             .sum()
