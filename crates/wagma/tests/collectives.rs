@@ -59,9 +59,11 @@ fn allreduce_case(exec: Exec, p: usize, len: usize, alg: u8, seed: u64) {
                 .unwrap_or_default()
         })
         .collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (rank, o) in out.iter().enumerate() {
         assert_eq!(
-            o.2, want_max,
+            bits(&o.2),
+            bits(&want_max),
             "maximum: P={p} len={len} alg={alg} rank {rank}"
         );
     }

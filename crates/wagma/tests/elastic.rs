@@ -60,6 +60,7 @@ fn collectives_average_over_the_living_after_a_loss() {
         let before = c
             .allreduce_mean(Payload::Data(vec![rank as f32; 3]))
             .await?;
+        let max_before = c.allreduce_max(Payload::Data(vec![rank as f32; 3])).await?;
         if rank == 3 {
             return Err(Error::Task {
                 rank,
@@ -74,12 +75,16 @@ fn collectives_average_over_the_living_after_a_loss() {
                     .into_vec(),
             );
         }
-        Ok((before.into_vec(), after, c.living_ranks().await?))
+        // The maximum is over the living too: the lost rank held the largest value.
+        let max_after = c.allreduce_max(Payload::Data(vec![rank as f32; 3])).await?;
+        let maxima = (max_before.into_vec(), max_after.into_vec());
+        Ok((before.into_vec(), after, maxima, c.living_ranks().await?))
     })
     .unwrap();
     for r in out.ranks.iter().take(3) {
-        let (before, after, living) = r.as_ref().unwrap();
+        let (before, after, maxima, living) = r.as_ref().unwrap();
         assert_eq!(before, &vec![1.5; 3]);
+        assert_eq!(maxima, &(vec![3.0; 3], vec![2.0; 3]));
         for a in after {
             assert_eq!(a, &vec![1.0; 3]);
         }

@@ -47,7 +47,8 @@ pub struct JobStats {
     /// Seconds of emulated compute, summed over ranks.
     pub compute_s: f64,
     /// Seconds each rank spent neither computing nor waiting (copies, publishing, the
-    /// optimizer step, the engine's work on the caller's thread), summed over ranks.
+    /// optimizer step, the engine's work on the caller's thread): its own wall time less its
+    /// own waiting and compute, at least zero, summed over ranks.
     #[serde(default)]
     pub overhead_s: f64,
     /// Staleness of the contributions used by every rank.

@@ -11,7 +11,7 @@ use crate::payload::{Payload, Reduce, pool};
 pub(super) struct WorkBuf {
     len: usize,
     segs: Vec<(Range<usize>, Payload)>,
-    /// Started from a virtual payload: whatever is summed or moved in, the result is a size
+    /// Started from a virtual payload: whatever is reduced or moved in, the result is a size
     /// (as if the segments were kept and joined), so nothing is kept.
     virtual_: bool,
 }
@@ -192,6 +192,36 @@ mod tests {
         b.reduce(0, 0..6, &mut others, Reduce::Sum);
         assert!(others.is_empty());
         assert_eq!(b.finish(), Payload::Size(6));
+    }
+
+    #[test]
+    fn a_maximum_is_the_same_bits_for_every_member() {
+        let xs = [0.5f32, -0.0, 0.0, 3.0];
+        for me in 0..4 {
+            // The own part is a view (its range lies inside a larger segment): a new buffer.
+            let mut b = WorkBuf::new(Payload::Data(vec![xs[me], 1.0]));
+            let mut others = (0..4)
+                .filter(|&r| r != me)
+                .map(|r| (r, Payload::Data(vec![xs[r]])))
+                .collect();
+            b.reduce(me, 0..1, &mut others, Reduce::Max);
+            let got = b.finish().into_vec();
+            assert_eq!(got[0].to_bits(), 3.0f32.to_bits(), "rank {me}");
+            assert_eq!(got[1], 1.0);
+        }
+        // The own part is a whole segment: folded in place, whichever zero it holds.
+        let xs = [-0.0f32, 0.0];
+        for me in 0..2 {
+            let mut b = WorkBuf::new(Payload::Data(vec![xs[me]]));
+            let mut others = vec![(1 - me, Payload::Data(vec![xs[1 - me]]))];
+            b.reduce(me, 0..1, &mut others, Reduce::Max);
+            assert_eq!(b.finish().into_vec()[0].to_bits(), 0.0f32.to_bits());
+        }
+        let mut b = WorkBuf::new(Payload::Size(3));
+        let mut others = vec![(1, Payload::Size(3))];
+        b.reduce(0, 0..3, &mut others, Reduce::Max);
+        assert!(others.is_empty());
+        assert_eq!(b.finish(), Payload::Size(3));
     }
 
     #[test]

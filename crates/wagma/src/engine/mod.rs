@@ -954,7 +954,7 @@ impl Engine {
         Ok(())
     }
 
-    /// Starts `schedule`, a sum over `members` (the ranks a peer's contribution list may name).
+    /// Starts `schedule`, a reduction over `members` (the ranks a peer's contribution list may name).
     #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,

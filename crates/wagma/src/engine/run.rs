@@ -16,7 +16,7 @@ use crate::prefetch::{prefetch, prefetch_slice};
 use crate::schedule::Schedule;
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
-/// The ranks a schedule sums over.
+/// The ranks a schedule reduces over.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Members {
     /// Every rank of a job of this many (a collective, or a round or sync of every rank).
@@ -77,8 +77,8 @@ pub(super) enum Owner {
     Gossip,
 }
 
-/// The received parts and weights of a phase being summed: empty between phases, kept only
-/// for their capacity (schedules sum in many phases of equal shape).
+/// The received parts and weights of a phase being reduced: empty between phases, kept only
+/// for their capacity (schedules reduce in many phases of equal shape).
 #[derive(Default)]
 pub(super) struct SumScratch {
     summands: Vec<(Rank, Payload)>,

@@ -674,10 +674,11 @@ impl Engine {
             }
         };
         let arrived = s.waiter.as_ref().is_some_and(|w| w.round == round);
-        // Room for every member of a group: merging grows the list to the group's size. A
-        // sync's list grows as it goes, so that thousands of ranks do not each hold room for
-        // all of them from the start.
-        let mut contributions = Vec::with_capacity(if sync { 1 } else { members.len() });
+        // Room for every member of a group, and one more for the moment a merge appends a
+        // whole list before removing the rank named twice, so that merging never grows it. A
+        // sync tracks contributions only in elastic mode, where its list grows as it goes
+        // rather than each of thousands of ranks holding room for all of them.
+        let mut contributions = Vec::with_capacity(if sync { 1 } else { members.len() + 1 });
         contributions.push(Contribution {
             rank,
             steps: s.published_steps,

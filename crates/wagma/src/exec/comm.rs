@@ -32,10 +32,11 @@ pub struct CommStats {
     pub stale_rounds: u64,
 }
 
-/// The result of a neighbour exchange or push-sum step.
+/// The result of a neighbour exchange, a push-sum step or a collective.
 #[derive(Debug, Clone)]
 pub struct Exchanged {
-    /// Sum (in rank order) of the local buffer and the received ones.
+    /// Sum (in rank order) of the local buffer and the received ones; their maximum for
+    /// [`Comm::allreduce_max`].
     pub data: Payload,
     /// Sum of the weights.
     pub weight: f64,
@@ -215,7 +216,8 @@ impl Comm {
     /// bits of a sequential sum, whatever the transport and the number of ranks (a sum of
     /// replicas reproduces the one computed in one process). Rank 0 receives every buffer and
     /// sends the sum back to each, so it carries `2 (P - 1)` buffers: for results off the
-    /// training path.
+    /// training path. In elastic mode it is an exchange among the ranks still alive, like
+    /// every collective there.
     pub async fn allreduce_in_rank_order(&mut self, data: Payload) -> Result<Payload, Error> {
         let choice = AlgorithmChoice {
             algorithm: AllreduceAlgorithm::ReduceBroadcast,
@@ -309,6 +311,7 @@ impl Comm {
     /// Blocking elementwise maximum over all ranks ([`Reduce::Max`]: the same bits on every
     /// transport and schedule). Every rank must call it the same number of times, in the same
     /// order as its other collectives over all ranks. It costs what [`Comm::allreduce`] costs.
+    /// In elastic mode it is the maximum over the ranks still alive.
     pub async fn allreduce_max(&mut self, data: Payload) -> Result<Payload, Error> {
         let choice = self.cfg.algorithm;
         self.world_collective(data, &choice, Reduce::Max)

@@ -185,7 +185,11 @@ impl Scheduled {
     }
 
     fn at(&self) -> Duration {
-        Duration::from_nanos((self.key >> 64) as u64)
+        Duration::from_nanos(self.nanos())
+    }
+
+    fn nanos(&self) -> u64 {
+        (self.key >> 64) as u64
     }
 }
 
@@ -286,7 +290,8 @@ impl Core {
         self.prefetch_ahead();
         if s.at() > self.now {
             self.now = s.at();
-            self.clock.store((s.key >> 64) as u64, Ordering::Relaxed);
+            // Relaxed: the one thread that runs the tasks also moves the clock.
+            self.clock.store(s.nanos(), Ordering::Relaxed);
         }
         self.free.push(s.slot);
         self.slab[s.slot].take()
@@ -618,10 +623,14 @@ mod tests {
         core.schedule(at, identity, Event::Tick { rank });
     }
 
-    /// Pops every event, returning (time in microseconds, rank).
+    /// Pops every event, returning (time in microseconds, rank); checks on the way that the
+    /// ports' clock follows the core's.
     fn drain(core: &mut Core) -> Vec<(u128, Rank)> {
         std::iter::from_fn(|| {
-            core.next_event().map(|e| match e {
+            let event = core.next_event();
+            let clock = core.clock.load(Ordering::Relaxed);
+            assert_eq!(u128::from(clock), core.now.as_nanos());
+            event.map(|e| match e {
                 Event::Tick { rank } => (core.now.as_micros(), rank),
                 _ => (u128::MAX, usize::MAX),
             })

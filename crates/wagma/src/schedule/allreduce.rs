@@ -295,6 +295,32 @@ mod tests {
     }
 
     #[test]
+    fn a_maximum_runs_the_same_program_taking_the_maximum_where_it_summed() {
+        let members: Vec<Rank> = (0..6).collect();
+        for f in [
+            recursive_doubling,
+            reduce_scatter_allgather,
+            reduce_broadcast,
+        ] {
+            for &r in &members {
+                let sum = f(r, &members, 40);
+                let max = sum.clone().into_max();
+                assert_eq!(max.cost(), sum.cost());
+                assert_eq!(max.reduction_traffic(), sum.reduction_traffic());
+                assert_eq!(max.phases.len(), sum.phases.len());
+                for (m, s) in max.phases.iter().zip(&sum.phases) {
+                    assert_eq!((&m.sends, &m.recvs), (&s.sends, &s.recvs));
+                    let want = match s.combine {
+                        Combine::Sum => Combine::Max,
+                        other => other,
+                    };
+                    assert_eq!(m.combine, want);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn pairs_reduce_once_with_shared_memory() {
         let shared = AlgorithmChoice {
             shared_memory: true,

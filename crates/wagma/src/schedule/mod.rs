@@ -49,7 +49,8 @@ pub enum Combine {
     /// Add, in ascending rank order of the contributors (the local buffer included). All
     /// receives of the phase cover the same range.
     Sum,
-    /// The elementwise maximum ([`Reduce::Max`]) of the contributors, as `Sum` otherwise.
+    /// The elementwise maximum ([`Reduce::Max`]) of the contributors, in any order (it is the
+    /// same bits); the weights are still summed.
     Max,
     /// Overwrite each received range.
     Copy,
@@ -138,7 +139,7 @@ impl Schedule {
         c
     }
 
-    /// Bytes of memory this rank reads and writes to fold in what it receives: each summed
+    /// Bytes of memory this rank reads and writes to fold in what it receives: each reduced
     /// element is read once per operand and written once; copied ranges are moved in, not
     /// copied, by the in-process transport (so they cost nothing here).
     pub fn reduction_traffic(&self) -> usize {
