@@ -240,11 +240,6 @@ impl Payload {
         Payload::Data(v)
     }
 
-    /// `a + b` elementwise into a new (recycled) buffer; virtual if either is.
-    pub fn sum_of(a: &Payload, b: &Payload) -> Payload {
-        Payload::reduce_of(a, b, Reduce::Sum)
-    }
-
     /// `self[range] = self[range] op other` elementwise.
     pub fn reduce_at(&mut self, range: Range<usize>, other: &Payload, op: Reduce) {
         if self.is_virtual() || other.is_virtual() {
@@ -255,11 +250,6 @@ impl Payload {
             Reduce::Sum => pairs.for_each(|(x, y)| *x += *y),
             Reduce::Max => pairs.for_each(|(x, &y)| *x = Reduce::max(*x, y)),
         }
-    }
-
-    /// `self[range] += other` elementwise.
-    pub fn add_at(&mut self, range: Range<usize>, other: &Payload) {
-        self.reduce_at(range, other, Reduce::Sum);
     }
 
     /// `self = self op other` elementwise (lengths must match).
@@ -372,7 +362,7 @@ mod tests {
         let v = p.view(1..3);
         assert_eq!(v.as_slice(), &[2.0, 3.0]);
         assert!(matches!(p, Payload::Shared(..)));
-        p.add_at(0..2, &Payload::Data(vec![10.0, 10.0]));
+        p.reduce_at(0..2, &Payload::Data(vec![10.0, 10.0]), Reduce::Sum);
         assert_eq!(p.as_slice(), &[11.0, 12.0, 3.0, 4.0]);
         assert_eq!(v.as_slice(), &[2.0, 3.0], "the view keeps the old values");
         let mut last = Payload::Data(vec![5.0; 3]);
@@ -380,7 +370,10 @@ mod tests {
         drop(view);
         last.own();
         assert_eq!(last, Payload::Data(vec![5.0; 3]));
-        assert_eq!(Payload::sum_of(&last, &last).as_slice(), &[10.0; 3]);
+        assert_eq!(
+            Payload::reduce_of(&last, &last, Reduce::Sum).as_slice(),
+            &[10.0; 3]
+        );
     }
 
     #[test]

@@ -270,11 +270,11 @@ pub struct EngineStats {
     pub dropped_from_dead: u64,
 }
 
-/// The lists a schedule's phase fills (its sends, the parts it sums), kept for their capacity.
+/// The lists a schedule's phase fills (its sends, the parts it reduces), kept for their capacity.
 #[derive(Default)]
 struct PhaseScratch {
     sends: Vec<(Rank, Envelope)>,
-    summing: run::SumScratch,
+    reducing: run::ReduceScratch,
 }
 
 thread_local! {
@@ -954,7 +954,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Starts `schedule`, a reduction over `members` (the ranks a peer's contribution list may name).
+    /// Starts `schedule`, a reduction over `members` (the ranks a peer's contribution list may
+    /// name).
     #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,
@@ -999,8 +1000,8 @@ impl Engine {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
                     let dead = &self.dead;
-                    let PhaseScratch { sends, summing } = &mut scratch;
-                    self.running[i].advance(rank, unexpected, sends, dead, summing)
+                    let PhaseScratch { sends, reducing } = &mut scratch;
+                    self.running[i].advance(rank, unexpected, sends, dead, reducing)
                 };
                 for (to, env) in scratch.sends.drain(..) {
                     self.send(to, env, out);

@@ -13,7 +13,7 @@ use crate::Rank;
 use crate::error::{Error, Op};
 use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
-use crate::schedule::Schedule;
+use crate::schedule::{Combine, Schedule};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
 /// The ranks a schedule reduces over.
@@ -80,8 +80,8 @@ pub(super) enum Owner {
 /// The received parts and weights of a phase being reduced: empty between phases, kept only
 /// for their capacity (schedules reduce in many phases of equal shape).
 #[derive(Default)]
-pub(super) struct SumScratch {
-    summands: Vec<(Rank, Payload)>,
+pub(super) struct ReduceScratch {
+    operands: Vec<(Rank, Payload)>,
     weights: Vec<(Rank, f64)>,
 }
 
@@ -303,7 +303,7 @@ impl Running {
         unexpected: &mut FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
         dead: &RankSet,
-        scratch: &mut SumScratch,
+        scratch: &mut ReduceScratch,
     ) -> Result<bool, Error> {
         loop {
             let Some(phase) = self.schedule.phases.get(self.phase) else {
@@ -385,8 +385,8 @@ impl Running {
                 .iter()
                 .zip(got.drain(..))
                 .filter_map(|(r, g)| g.map(|e| (r.range.clone(), e)));
-            match phase.combine.reduction() {
-                Some(op) => Self::reduce(
+            match phase.combine {
+                Combine::Reduce(op) => Self::reduce(
                     &mut self.buf,
                     &mut self.weight,
                     self.track.then_some(&mut self.contributions),
@@ -395,7 +395,7 @@ impl Running {
                     scratch,
                     op,
                 ),
-                None => Self::copy(
+                Combine::Copy => Self::copy(
                     &mut self.buf,
                     &mut self.weight,
                     self.track.then_some(&mut self.contributions),
@@ -417,10 +417,10 @@ impl Running {
         mut contributions: Option<&mut Vec<Contribution>>,
         rank: Rank,
         received: impl Iterator<Item = (Range<usize>, Envelope)>,
-        scratch: &mut SumScratch,
+        scratch: &mut ReduceScratch,
         op: Reduce,
     ) {
-        let SumScratch { summands, weights } = scratch;
+        let ReduceScratch { operands, weights } = scratch;
         let mut range = None;
         for (r, env) in received {
             range.get_or_insert(r);
@@ -428,14 +428,14 @@ impl Running {
                 merge(c, &env.meta.contributions);
             }
             weights.push((env.from, env.meta.weight));
-            summands.push((env.from, env.data));
+            operands.push((env.from, env.data));
         }
         let Some(range) = range else {
             return;
         };
         *weight = fold_weights(rank, *weight, weights);
         weights.clear();
-        buf.reduce(rank, range, summands, op);
+        buf.reduce(rank, range, operands, op);
     }
 
     fn copy(

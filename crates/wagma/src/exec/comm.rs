@@ -223,7 +223,7 @@ impl Comm {
             algorithm: AllreduceAlgorithm::ReduceBroadcast,
             ..self.cfg.algorithm
         };
-        self.world_collective(data, &choice, Reduce::Sum)
+        self.world_collective(data, choice, Reduce::Sum)
             .await
             .map(|e| e.data)
     }
@@ -231,7 +231,7 @@ impl Comm {
     /// The next collective over every rank, with its members' contributions.
     async fn allreduce_all(&mut self, data: Payload) -> Result<Exchanged, Error> {
         let choice = self.cfg.algorithm;
-        self.world_collective(data, &choice, Reduce::Sum).await
+        self.world_collective(data, choice, Reduce::Sum).await
     }
 
     /// The next collective over every rank, reducing by `op`. The list of members exists only
@@ -240,19 +240,16 @@ impl Comm {
     async fn world_collective(
         &mut self,
         data: Payload,
-        choice: &AlgorithmChoice,
+        choice: AlgorithmChoice,
         op: Reduce,
     ) -> Result<Exchanged, Error> {
         let seq = self.collective_seq;
         self.collective_seq += 1;
         let schedule = {
             let members: Vec<Rank> = (0..self.size).collect();
-            self.allreduce_schedule(&members, data.len(), choice)
+            self.allreduce_schedule(&members, data.len(), &choice)
         };
-        let schedule = match op {
-            Reduce::Sum => schedule,
-            Reduce::Max => schedule.into_max(),
-        };
+        let schedule = schedule.with_reduction(op);
         self.run(Kind::Collective, seq, schedule, data, 0.0, 0)
             .await
     }
@@ -314,7 +311,7 @@ impl Comm {
     /// In elastic mode it is the maximum over the ranks still alive.
     pub async fn allreduce_max(&mut self, data: Payload) -> Result<Payload, Error> {
         let choice = self.cfg.algorithm;
-        self.world_collective(data, &choice, Reduce::Max)
+        self.world_collective(data, choice, Reduce::Max)
             .await
             .map(|e| e.data)
     }

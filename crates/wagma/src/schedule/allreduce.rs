@@ -4,6 +4,7 @@ use smallvec::smallvec;
 
 use super::{AlgorithmChoice, AllreduceAlgorithm, Combine, Phase, Schedule, Transfer};
 use crate::Rank;
+use crate::payload::Reduce;
 
 /// The allreduce of a buffer of `len` elements among `members` (sorted, containing `rank`),
 /// with the algorithm `choice` resolves to. A rank outside `members` gets an empty schedule.
@@ -34,7 +35,7 @@ pub fn reduce_broadcast(rank: Rank, members: &[Rank], len: usize) -> Schedule {
             Phase {
                 sends: smallvec![],
                 recvs: others.iter().map(|&m| whole(m, len, 0)).collect(),
-                combine: Combine::Sum,
+                combine: Combine::Reduce(Reduce::Sum),
             },
             Phase {
                 sends: others.iter().map(|&m| whole(m, len, 1)).collect(),
@@ -102,7 +103,7 @@ pub fn recursive_doubling(rank: Rank, members: &[Rank], len: usize) -> Schedule 
         phases.push(Phase {
             sends: smallvec![],
             recvs: smallvec![whole(e, len, 0)],
-            combine: Combine::Sum,
+            combine: Combine::Reduce(Reduce::Sum),
         });
     }
     for k in 0..levels {
@@ -110,7 +111,7 @@ pub fn recursive_doubling(rank: Rank, members: &[Rank], len: usize) -> Schedule 
         phases.push(Phase {
             sends: smallvec![whole(partner, len, k + 1)],
             recvs: smallvec![whole(partner, len, k + 1)],
-            combine: Combine::Sum,
+            combine: Combine::Reduce(Reduce::Sum),
         });
     }
     if let Some(e) = extra {
@@ -181,7 +182,7 @@ fn halving_doubling(idx: usize, members: &[Rank], len: usize) -> Schedule {
                 range: keep.clone(),
                 step: k,
             }],
-            combine: Combine::Sum,
+            combine: Combine::Reduce(Reduce::Sum),
         });
         (lo, hi) = (keep.start, keep.end);
     }
@@ -232,7 +233,7 @@ fn direct(idx: usize, members: &[Rank], len: usize) -> Schedule {
                 step: 0,
             })
             .collect(),
-        combine: Combine::Sum,
+        combine: Combine::Reduce(Reduce::Sum),
     };
     let gather = Phase {
         sends: others
@@ -304,14 +305,14 @@ mod tests {
         ] {
             for &r in &members {
                 let sum = f(r, &members, 40);
-                let max = sum.clone().into_max();
+                let max = sum.clone().with_reduction(Reduce::Max);
                 assert_eq!(max.cost(), sum.cost());
                 assert_eq!(max.reduction_traffic(), sum.reduction_traffic());
                 assert_eq!(max.phases.len(), sum.phases.len());
                 for (m, s) in max.phases.iter().zip(&sum.phases) {
                     assert_eq!((&m.sends, &m.recvs), (&s.sends, &s.recvs));
                     let want = match s.combine {
-                        Combine::Sum => Combine::Max,
+                        Combine::Reduce(Reduce::Sum) => Combine::Reduce(Reduce::Max),
                         other => other,
                     };
                     assert_eq!(m.combine, want);

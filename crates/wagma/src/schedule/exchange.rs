@@ -5,6 +5,7 @@ use smallvec::smallvec;
 
 use super::{Combine, Cost, Phase, Schedule, Transfer};
 use crate::Rank;
+use crate::payload::Reduce;
 use crate::topology::activation_edges;
 
 /// One phase that sends the whole buffer to every rank of `send_to` and sums what arrives from
@@ -24,7 +25,7 @@ pub fn exchange(send_to: &[Rank], recv_from: &[Rank], len: usize) -> Schedule {
         vec![Phase {
             sends: send_to.iter().map(t).collect(),
             recvs: recv_from.iter().map(t).collect(),
-            combine: Combine::Sum,
+            combine: Combine::Reduce(Reduce::Sum),
         }]
     };
     Schedule { len, phases }
@@ -53,7 +54,7 @@ pub fn exchange_right_then_left(left: Rank, right: Rank, len: usize) -> Schedule
             Phase {
                 sends: both.iter().map(|&p| t(p, 0..len, 1)).collect(),
                 recvs: from.iter().map(|&p| t(p, 0..len, 1)).collect(),
-                combine: Combine::Sum,
+                combine: Combine::Reduce(Reduce::Sum),
             },
         ],
     }

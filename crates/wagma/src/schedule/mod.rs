@@ -4,9 +4,9 @@
 //!
 //! A [`Schedule`] is a list of [`Phase`]s executed in order. A phase posts its sends (each a
 //! copy of a range of the working buffer, taken when the phase starts), waits for all its
-//! receives, then combines them into the buffer: [`Combine::Sum`] adds the contributions of a
-//! range in ascending rank order of their senders (the local buffer included), [`Combine::Max`]
-//! takes their maximum instead, [`Combine::Copy`] overwrites. Every transfer carries a `step`
+//! receives, then combines them into the buffer: [`Combine::Reduce`] folds the contributions of
+//! a range in ascending rank order of their senders (the local buffer included), by a sum or a
+//! maximum, [`Combine::Copy`] overwrites. Every transfer carries a `step`
 //! number that the two sides agree on, so a message that arrives early is matched to the right
 //! phase.
 //!
@@ -46,25 +46,12 @@ pub struct Transfer {
 /// How a phase folds its received ranges into the working buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Combine {
-    /// Add, in ascending rank order of the contributors (the local buffer included). All
-    /// receives of the phase cover the same range.
-    Sum,
-    /// The elementwise maximum ([`Reduce::Max`]) of the contributors, in any order (it is the
-    /// same bits); the weights are still summed.
-    Max,
+    /// Fold the contributors elementwise, in ascending rank order (the local buffer
+    /// included); the weights are summed whatever the reduction. All receives of the phase
+    /// cover the same range.
+    Reduce(Reduce),
     /// Overwrite each received range.
     Copy,
-}
-
-impl Combine {
-    /// The elementwise reduction this combination applies; `None` for a copy.
-    pub fn reduction(self) -> Option<Reduce> {
-        match self {
-            Combine::Sum => Some(Reduce::Sum),
-            Combine::Max => Some(Reduce::Max),
-            Combine::Copy => None,
-        }
-    }
 }
 
 /// The transfers of one side of a phase. Most phases send and receive one message, held in
@@ -115,12 +102,12 @@ impl std::ops::Add for Cost {
 }
 
 impl Schedule {
-    /// The same program taking the maximum where this one sums: the same messages, so a
+    /// The same program reducing by `op` wherever this one reduces: the same messages, so a
     /// maximum costs what a sum costs.
-    pub fn into_max(mut self) -> Schedule {
+    pub fn with_reduction(mut self, op: Reduce) -> Schedule {
         for p in &mut self.phases {
-            if p.combine == Combine::Sum {
-                p.combine = Combine::Max;
+            if let Combine::Reduce(r) = &mut p.combine {
+                *r = op;
             }
         }
         self
@@ -145,7 +132,7 @@ impl Schedule {
     pub fn reduction_traffic(&self) -> usize {
         self.phases
             .iter()
-            .filter(|p| p.combine.reduction().is_some())
+            .filter(|p| matches!(p.combine, Combine::Reduce(_)))
             .filter_map(|p| p.recvs.first().map(|r| (p.recvs.len(), r.range.len())))
             .map(|(k, len)| (k + 2) * len * 4)
             .sum()
