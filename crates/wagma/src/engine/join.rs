@@ -163,11 +163,11 @@ impl Engine {
                 out,
             );
         }
-        self.welcome = Some(Welcome {
+        self.welcome = Some(Box::new(Welcome {
             from: env.from,
             data: env.data.duplicate(),
             info,
-        });
+        }));
         self.deliver_welcome(out);
     }
 
@@ -179,11 +179,11 @@ impl Engine {
         timeout: std::time::Duration,
         out: &mut Vec<Action>,
     ) {
-        self.welcome_waiter = Some(WelcomeWaiter {
+        self.welcome_waiter = Some(Box::new(WelcomeWaiter {
             id,
             since: now,
             deadline: now + timeout,
-        });
+        }));
         self.deliver_welcome(out);
     }
 
@@ -192,7 +192,7 @@ impl Engine {
             && let Some(w) = self.welcome_waiter.take()
             && let Some(welcome) = self.welcome.take()
         {
-            self.complete(w.id, Ok(Response::Welcome(welcome)), out);
+            self.complete(w.id, Ok(Response::Welcome(*welcome)), out);
         }
     }
 

@@ -64,7 +64,7 @@ impl Passive {
 impl Engine {
     /// Makes this rank passive and answers the averaging requests that came before.
     pub(super) fn become_passive(&mut self, passive: Passive, out: &mut Vec<Action>) {
-        self.passive = Some(passive);
+        self.passive = Some(Box::new(passive));
         for env in std::mem::take(&mut self.early_pairs) {
             self.on_pair_request(env, out);
         }

@@ -551,7 +551,7 @@ fn flooded(msg: impl Fn(u64) -> Envelope, says: &str) -> Engine {
     for seq in 0..=MAX_KEPT_PER_PEER as u64 {
         e.on_message(Duration::ZERO, msg(seq), &mut out);
     }
-    match &e.failed {
+    match e.failed.as_deref() {
         Some(Error::PeerLost {
             peer: 1, reason, ..
         }) => assert!(reason.contains(says), "{reason}"),
