@@ -511,7 +511,13 @@ fn foreign_contribution(members: &Members, list: &[Contribution]) -> Option<Stri
             }
         }
         Members::Group(g) => {
-            let mut ranks = g.iter();
+            // A binary search skips the members below the list's first rank: the walk would
+            // pass them one by one, and a list from the upper half of a large group starts
+            // far into it. The rest of a list is usually consecutive members.
+            let start = list
+                .first()
+                .map_or(0, |c| g.partition_point(|&m| m < c.rank));
+            let mut ranks = g.get(start..).unwrap_or_default().iter();
             let mut previous = None;
             let mut found = None;
             for c in list {
