@@ -209,7 +209,9 @@ impl Comm {
 
     /// Blocking sum over all ranks. Every rank must call it the same number of times.
     pub async fn allreduce(&mut self, data: Payload) -> Result<Payload, Error> {
-        self.allreduce_all(data).await.map(|e| e.data)
+        self.world_collective(data, self.cfg.algorithm, Reduce::Sum)
+            .await
+            .map(|e| e.data)
     }
 
     /// Blocking sum over every rank folded left in rank order, `((x0 + x1) + x2) + ...`: the
@@ -228,15 +230,10 @@ impl Comm {
             .map(|e| e.data)
     }
 
-    /// The next collective over every rank, with its members' contributions.
-    async fn allreduce_all(&mut self, data: Payload) -> Result<Exchanged, Error> {
-        let choice = self.cfg.algorithm;
-        self.world_collective(data, choice, Reduce::Sum).await
-    }
-
-    /// The next collective over every rank, reducing by `op`. The list of members exists only
-    /// while the schedule is built: thousands of simulated ranks waiting in the collective
-    /// would otherwise each hold one, `O(P^2)` memory in all.
+    /// The next collective over every rank, reducing by `op`, with its members'
+    /// contributions. The list of members exists only while the schedule is built: thousands
+    /// of simulated ranks waiting in the collective would otherwise each hold one, `O(P^2)`
+    /// memory in all.
     async fn world_collective(
         &mut self,
         data: Payload,
@@ -248,8 +245,8 @@ impl Comm {
         let schedule = {
             let members: Vec<Rank> = (0..self.size).collect();
             self.allreduce_schedule(&members, data.len(), &choice)
+                .with_reduction(op)
         };
-        let schedule = schedule.with_reduction(op);
         self.run(Kind::Collective, seq, schedule, data, 0.0, 0)
             .await
     }
@@ -310,8 +307,7 @@ impl Comm {
     /// order as its other collectives over all ranks. It costs what [`Comm::allreduce`] costs.
     /// In elastic mode it is the maximum over the ranks still alive.
     pub async fn allreduce_max(&mut self, data: Payload) -> Result<Payload, Error> {
-        let choice = self.cfg.algorithm;
-        self.world_collective(data, choice, Reduce::Max)
+        self.world_collective(data, self.cfg.algorithm, Reduce::Max)
             .await
             .map(|e| e.data)
     }
@@ -319,7 +315,9 @@ impl Comm {
     /// The mean over all ranks (in elastic mode, over the ranks still alive). Every rank must
     /// call it the same number of times.
     pub async fn allreduce_mean(&mut self, data: Payload) -> Result<Payload, Error> {
-        let e = self.allreduce_all(data).await?;
+        let e = self
+            .world_collective(data, self.cfg.algorithm, Reduce::Sum)
+            .await?;
         let n = if self.cfg.elastic {
             e.contributions.len().max(1)
         } else {
