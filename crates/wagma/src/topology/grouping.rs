@@ -658,7 +658,7 @@ fn bit_mask(bits: u32, total: u32, round: u64) -> usize {
 }
 
 /// All `base | s` for subsets `s` of `mask`, ascending.
-fn subset_members(base: usize, mask: usize) -> Vec<Rank> {
+pub(crate) fn subset_members(base: usize, mask: usize) -> Vec<Rank> {
     let mut out = Vec::with_capacity(1 << mask.count_ones());
     let mut s = 0usize;
     loop {
