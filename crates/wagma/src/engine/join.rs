@@ -122,7 +122,7 @@ impl Engine {
         let meta = Meta {
             total_len: data.len() as u64,
             aux: self.opened_streams,
-            contributions: encode(&self.dead(), info),
+            contributions: encode(&self.dead(), info).into(),
             ..Meta::default()
         };
         let env = self.control(CONTROL_WELCOME, meta, data);

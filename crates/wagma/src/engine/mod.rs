@@ -9,6 +9,7 @@
 //! of the published model, results kept until read, global sync rounds, timeouts.
 
 mod buffer;
+mod contributions;
 mod gossip;
 mod join;
 mod liveness;

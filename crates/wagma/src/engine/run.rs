@@ -7,6 +7,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use super::buffer::WorkBuf;
+use super::contributions::OwnContributions;
 use super::rank_set::RankSet;
 use super::{ReqId, Time};
 use crate::Rank;
@@ -15,7 +16,7 @@ use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
 use crate::schedule::{Combine, Schedule};
 use crate::topology::subset_members;
-use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+use crate::transport::{Contribution, Contributions, Envelope, Kind, Meta, Tag};
 
 /// The ranks a schedule reduces over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,7 +130,7 @@ pub(super) struct Running {
     buf: WorkBuf,
     weight: f64,
     /// Carried and merged only for group rounds, where passive members make them informative.
-    contributions: Vec<Contribution>,
+    contributions: OwnContributions,
     track: bool,
     /// The group the schedule sums over: the only ranks a contribution list may name.
     members: Members,
@@ -172,7 +173,7 @@ impl Running {
             posted: false,
             buf: WorkBuf::new(buf),
             weight,
-            contributions,
+            contributions: OwnContributions::new(contributions),
             track,
             members,
             got: Vec::new(),
@@ -194,7 +195,7 @@ impl Running {
                 prefetch(&*self.schedule, 0..1);
                 prefetch_slice(&self.got, 2);
                 prefetch_slice(&self.absent, 1);
-                prefetch_slice(&self.contributions, 2);
+                prefetch_slice(self.contributions.as_slice(), 2);
             }
             // Read only now that level 3 has asked for the schedule.
             4 => {
@@ -289,8 +290,8 @@ impl Running {
         // This rank's own list starts as itself and grows only by merging checked lists, so a
         // list equal to it (every message of an allgather's second half) is valid.
         if self.track {
-            if env.meta.contributions == self.contributions {
-                env.meta.contributions = Vec::new();
+            if self.contributions.equals(&env.meta.contributions) {
+                env.meta.contributions = Contributions::default();
             } else if let Some(bad) = foreign_contribution(&self.members, &env.meta.contributions) {
                 // A peer may only report members of this group, each once: otherwise it would
                 // inflate the divisor of an average.
@@ -351,9 +352,9 @@ impl Running {
                             weight: self.weight,
                             aux: 0,
                             contributions: if self.track {
-                                self.contributions.clone()
+                                self.contributions.share()
                             } else {
-                                Vec::new()
+                                Contributions::default()
                             },
                         },
                         data: self.buf.view(s.range.clone()),
@@ -442,7 +443,7 @@ impl Running {
     fn reduce(
         buf: &mut WorkBuf,
         weight: &mut f64,
-        mut contributions: Option<&mut Vec<Contribution>>,
+        mut contributions: Option<&mut OwnContributions>,
         rank: Rank,
         received: impl Iterator<Item = (Range<usize>, Envelope)>,
         scratch: &mut ReduceScratch,
@@ -453,7 +454,7 @@ impl Running {
         for (r, env) in received {
             range.get_or_insert(r);
             if let Some(c) = contributions.as_deref_mut() {
-                merge(c, &env.meta.contributions);
+                c.merge(&env.meta.contributions);
             }
             weights.push((env.from, env.meta.weight));
             operands.push((env.from, env.data));
@@ -469,13 +470,13 @@ impl Running {
     fn copy(
         buf: &mut WorkBuf,
         weight: &mut f64,
-        mut contributions: Option<&mut Vec<Contribution>>,
+        mut contributions: Option<&mut OwnContributions>,
         single: bool,
         received: impl Iterator<Item = (Range<usize>, Envelope)>,
     ) {
         for (range, env) in received {
             if let Some(c) = contributions.as_deref_mut() {
-                merge(c, &env.meta.contributions);
+                c.merge(&env.meta.contributions);
             }
             // A copy of the whole buffer carries the sender's weight too.
             if single && range.len() == buf.len() {
@@ -517,7 +518,7 @@ impl Running {
             self.owner,
             self.buf.finish(),
             self.weight,
-            self.contributions,
+            self.contributions.into_list(),
         )
     }
 }
@@ -595,56 +596,10 @@ fn fold_weights(rank: Rank, own: f64, others: &mut [(Rank, f64)]) -> f64 {
     ws.fold(first, |w, x| w + x)
 }
 
-/// Adds the sorted, rank-unique `more` to the sorted, rank-unique `into`, keeping the newest
-/// contribution of a rank named by both.
-fn merge(into: &mut Vec<Contribution>, more: &[Contribution]) {
-    // A list equal to `into` arrives empty: `Running::validate` takes it out.
-    if more.is_empty() {
-        return;
-    }
-    if into.last().is_none_or(|l| l.rank < more[0].rank) {
-        into.extend_from_slice(more);
-        return;
-    }
-    // In place, from the back (no allocation once `into` has grown): `k` is where the next
-    // largest goes; `k >= i` always (`k = i + j + ranks named by both so far`), so nothing
-    // unread is overwritten.
-    let n = into.len();
-    into.extend_from_slice(more);
-    let (mut i, mut j, mut k) = (n, more.len(), n + more.len());
-    while j > 0 {
-        k -= 1;
-        let y = more[j - 1];
-        match into[..i].last().copied() {
-            Some(x) if x.rank > y.rank => {
-                into[k] = x;
-                i -= 1;
-            }
-            Some(x) if x.rank == y.rank => {
-                into[k] = if y.steps > x.steps { y } else { x };
-                i -= 1;
-                j -= 1;
-            }
-            _ => {
-                into[k] = y;
-                j -= 1;
-            }
-        }
-    }
-    let both = k - i;
-    into.copy_within(k.., i);
-    into.truncate(n + more.len() - both);
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::contributions::tests::list;
     use super::*;
-
-    fn list(v: &[(Rank, u64)]) -> Vec<Contribution> {
-        v.iter()
-            .map(|&(rank, steps)| Contribution { rank, steps })
-            .collect()
-    }
 
     #[test]
     fn a_group_of_every_rank_is_the_job() {
@@ -727,25 +682,5 @@ mod tests {
         assert_eq!(check(&masked, &[(1, 1), (5, 1), (11, 2)]), outside(5));
         assert_eq!(check(&masked, &[(9, 1), (3, 1), (0, 1)]), outside(0));
         assert_eq!(check(&masked, &[(9, 1), (3, 1)]), unordered);
-    }
-
-    #[test]
-    fn merge_keeps_ranks_sorted_unique_and_newest() {
-        let mut a = list(&[(1, 5), (3, 2), (7, 9)]);
-        merge(&mut a, &list(&[(0, 1), (3, 4), (7, 8), (9, 1)]));
-        assert_eq!(a, list(&[(0, 1), (1, 5), (3, 4), (7, 9), (9, 1)]));
-        let mut b = list(&[(0, 1)]);
-        merge(&mut b, &list(&[(2, 2), (4, 4)]));
-        assert_eq!(b, list(&[(0, 1), (2, 2), (4, 4)]));
-        let mut d = list(&[(2, 1), (5, 5), (6, 6)]);
-        merge(&mut d, &list(&[(1, 1), (2, 3), (6, 2)]));
-        assert_eq!(d, list(&[(1, 1), (2, 3), (5, 5), (6, 6)]));
-        let mut e = list(&[(1, 1), (2, 3)]);
-        merge(&mut e, &list(&[(1, 1), (2, 3)]));
-        assert_eq!(e, list(&[(1, 1), (2, 3)]));
-        let mut c = Vec::new();
-        merge(&mut c, &list(&[(2, 2)]));
-        merge(&mut c, &[]);
-        assert_eq!(c, list(&[(2, 2)]));
     }
 }

@@ -660,10 +660,10 @@ fn a_group_round_refuses_contributions_from_outside_the_group() {
     // Rank 0's group in round 0 is {0, 1, 2, 3}; every message reaching it claims rank 5 too.
     while let Some((to, mut env)) = net.wire.pop_front() {
         if to == 0 && env.tag.kind == Kind::Round {
-            env.meta
-                .contributions
-                .push(Contribution { rank: 5, steps: 1 });
-            env.meta.contributions.sort_by_key(|c| c.rank);
+            let mut list = env.meta.contributions.to_vec();
+            list.push(Contribution { rank: 5, steps: 1 });
+            list.sort_by_key(|c| c.rank);
+            env.meta.contributions = list.into();
         }
         let mut out = Vec::new();
         net.engines[to].on_message(Duration::ZERO, env, &mut out);

@@ -69,7 +69,7 @@ pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), 
     head.extend_from_slice(&env.meta.weight.to_le_bytes());
     head.extend_from_slice(&env.meta.aux.to_le_bytes());
     head.extend_from_slice(&(n as u32).to_le_bytes());
-    for c in &env.meta.contributions {
+    for c in env.meta.contributions.iter() {
         head.extend_from_slice(&(c.rank as u32).to_le_bytes());
         head.extend_from_slice(&c.steps.to_le_bytes());
     }
@@ -191,7 +191,7 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
             total_len,
             weight,
             aux,
-            contributions,
+            contributions: contributions.into(),
         },
         data,
     }))
@@ -278,7 +278,8 @@ mod tests {
                 contributions: vec![
                     Contribution { rank: 1, steps: 4 },
                     Contribution { rank: 3, steps: 8 },
-                ],
+                ]
+                .into(),
             },
             data,
         }

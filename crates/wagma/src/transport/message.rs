@@ -1,5 +1,9 @@
 //! What travels between ranks: a tagged envelope with a small header and a payload.
 
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::Rank;
@@ -84,6 +88,108 @@ impl Contribution {
     }
 }
 
+/// A contribution list as messages carry it: immutable and shared.
+///
+/// After a group's reduce-scatter every member holds the same list, and each message of the
+/// allgather that follows carries it. Lists interned by [`Contributions::interned`] on one
+/// thread share one copy, so those messages hold a reference instead of a copy each, and a
+/// receiver that holds the same copy knows the lists are equal without reading them (at
+/// thousands of simulated ranks, reading them was a cache miss per message). Equality is
+/// always by content; sharing only makes it cheaper.
+#[derive(Clone, Default)]
+pub struct Contributions(Option<Arc<[Contribution]>>);
+
+/// How many lists an interning table holds before it first drops those no one else holds.
+const INTERN_PURGE_MIN: usize = 1024;
+
+/// The lists interned on this thread, and the size at which the next purge happens.
+#[derive(Default)]
+struct Interned {
+    lists: FxHashSet<Arc<[Contribution]>>,
+    purge_at: usize,
+}
+
+thread_local! {
+    static INTERNED: RefCell<Interned> = RefCell::new(Interned::default());
+}
+
+impl Contributions {
+    /// The contributions, in the order sent.
+    pub fn as_slice(&self) -> &[Contribution] {
+        self.0.as_deref().unwrap_or_default()
+    }
+
+    /// True when both are the very same copy: then their lists are equal (the converse does
+    /// not hold).
+    pub fn same_copy(&self, other: &Contributions) -> bool {
+        match (&self.0, &other.0) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        }
+    }
+
+    /// A list equal to `list` that shares its copy with every list equal to it interned on
+    /// this thread while one of them is still held.
+    pub fn interned(list: &[Contribution]) -> Contributions {
+        if list.is_empty() {
+            return Contributions(None);
+        }
+        let shared = INTERNED.with_borrow_mut(|t| {
+            if let Some(found) = t.lists.get(list) {
+                return Arc::clone(found);
+            }
+            // Lists only the table holds are dropped once it has doubled since the last purge,
+            // so that it stays proportional to the lists in use.
+            if t.lists.len() >= t.purge_at {
+                t.lists.retain(|l| Arc::strong_count(l) > 1);
+                t.purge_at = (2 * t.lists.len()).max(INTERN_PURGE_MIN);
+            }
+            let new: Arc<[Contribution]> = Arc::from(list);
+            t.lists.insert(Arc::clone(&new));
+            new
+        });
+        Contributions(Some(shared))
+    }
+}
+
+impl std::ops::Deref for Contributions {
+    type Target = [Contribution];
+    fn deref(&self) -> &[Contribution] {
+        self.as_slice()
+    }
+}
+
+impl From<Vec<Contribution>> for Contributions {
+    fn from(list: Vec<Contribution>) -> Self {
+        if list.is_empty() {
+            Contributions(None)
+        } else {
+            Contributions(Some(list.into()))
+        }
+    }
+}
+
+impl FromIterator<Contribution> for Contributions {
+    fn from_iter<I: IntoIterator<Item = Contribution>>(iter: I) -> Self {
+        iter.into_iter().collect::<Vec<_>>().into()
+    }
+}
+
+impl PartialEq for Contributions {
+    fn eq(&self, other: &Self) -> bool {
+        self.same_copy(other) || self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for Contributions {}
+
+impl std::fmt::Debug for Contributions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
 /// Header of a message.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Meta {
@@ -94,7 +200,7 @@ pub struct Meta {
     /// A small extra value (the root of an activation).
     pub aux: u64,
     /// The contributions folded into this data so far.
-    pub contributions: Vec<Contribution>,
+    pub contributions: Contributions,
 }
 
 /// A message between ranks.
@@ -116,5 +222,29 @@ impl Envelope {
         crate::transport::frame::HEADER_BYTES
             + 12 * self.meta.contributions.len()
             + self.data.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(rank: Rank, steps: u64) -> Vec<Contribution> {
+        vec![Contribution { rank, steps }]
+    }
+
+    #[test]
+    fn interning_shares_equal_lists_and_forgets_those_no_one_holds() {
+        let held = Contributions::interned(&list(0, 7));
+        assert!(Contributions::interned(&list(0, 7)).same_copy(&held));
+        assert!(Contributions::interned(&[]).same_copy(&Contributions::default()));
+        // Far more lists than a table keeps before purging, each dropped at once: the table
+        // stays bounded, and the list still held keeps its copy.
+        for steps in 0..10_000 {
+            drop(Contributions::interned(&list(1, steps)));
+        }
+        let kept = INTERNED.with_borrow(|t| t.lists.len());
+        assert!(kept <= 2 * INTERN_PURGE_MIN, "{kept} lists interned");
+        assert!(Contributions::interned(&list(0, 7)).same_copy(&held));
     }
 }
