@@ -262,7 +262,12 @@ impl Core {
         self.seq += 1;
         let slot = match self.free.pop() {
             Some(i) => {
-                self.slab[i] = Some(event);
+                // A free entry holds nothing to drop. Forgetting it rather than dropping it
+                // spares a read of the entry, a cache miss when a burst of sends reaches
+                // entries freed long ago.
+                let old = self.slab[i].replace(event);
+                debug_assert!(old.is_none(), "a free slab entry held an event");
+                std::mem::forget(old);
                 i
             }
             None => {
