@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use super::run::Members;
 use super::{Action, Engine, Time};
 use crate::Rank;
 use crate::payload::Payload;
@@ -94,10 +95,10 @@ impl Engine {
     }
 
     /// Starts watching `members` (the ranks of a group this rank is in).
-    pub(super) fn watch(&mut self, now: Time, members: &[Rank]) {
+    pub(super) fn watch(&mut self, now: Time, members: &Members) {
         let rank = self.rank;
         if let Some(l) = self.liveness.as_mut() {
-            for &m in members {
+            for &m in members.ranks().iter() {
                 if m != rank && !l.watched[m] {
                     l.watched[m] = true;
                     l.last_heard[m].get_or_insert(now);

@@ -72,6 +72,15 @@ impl Members {
         }
     }
 
+    /// How many members there are.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Members::Job(n) => *n,
+            Members::Masked { mask, .. } => 1 << mask.count_ones(),
+            Members::Group(g) => g.len(),
+        }
+    }
+
     fn contains(&self, r: Rank) -> bool {
         match self {
             Members::Job(n) => r < *n,

@@ -659,10 +659,11 @@ impl Engine {
         s.activated.remove(round);
         s.executing = Some(round);
         let sync = s.is_sync(round);
-        let members: Vec<Rank> = if sync {
-            (0..ranks).collect()
+        // A sync's members are the job: no engine lists all P ranks for it.
+        let members = if sync {
+            Members::Job(ranks)
         } else {
-            s.grouping.group_of(rank, round)
+            Members::among(ranks, s.grouping.group_of(rank, round))
         };
         let len = s.published.len();
         let data = match s.mode {
@@ -697,16 +698,14 @@ impl Engine {
             self.stats.syncs += 1;
         }
         self.watch(now, &members);
-        let (schedule, members) = if self.cfg.elastic {
-            let living = members.iter().copied().filter(|&m| !self.dead.contains(m));
-            let schedule = Arc::new(crate::schedule::exchange_among(rank, living, len));
-            (schedule, Members::Group(members))
+        let schedule = if self.cfg.elastic {
+            let all = members.ranks();
+            let living = all.iter().copied().filter(|&m| !self.dead.contains(m));
+            Arc::new(crate::schedule::exchange_among(rank, living, len))
         } else {
-            let members = Members::among(ranks, members);
-            let schedule = self.round_schedules.get_or_build(&members, len, || {
+            self.round_schedules.get_or_build(&members, len, || {
                 allreduce(rank, &members.ranks(), len, &algorithm)
-            });
-            (schedule, members)
+            })
         };
         let epoch = self.epoch();
         self.start(
