@@ -54,12 +54,22 @@ impl Members {
                     && group.windows(2).all(|w| w[0] < w[1])
                     && group.iter().all(|&r| r & !mask == base);
                 if masked {
-                    Members::Masked { base, mask }
+                    Members::masked(ranks, base, mask)
                 } else {
                     Members::Group(group)
                 }
             }
             None => Members::Group(group),
+        }
+    }
+
+    /// Every `base | s` for the subsets `s` of `mask` (`base & mask == 0`), in a job of
+    /// `ranks`: the job itself when that is every rank.
+    pub(super) fn masked(ranks: usize, base: Rank, mask: Rank) -> Self {
+        if mask.count_ones() == ranks.trailing_zeros() && ranks.is_power_of_two() {
+            Members::Job(ranks)
+        } else {
+            Members::Masked { base, mask }
         }
     }
 
@@ -535,50 +545,24 @@ impl Running {
 /// What is wrong with a peer's contribution list, if anything: a rank outside this
 /// schedule's `members`, or ranks not strictly ascending (a rank counted twice).
 fn foreign_contribution(members: &Members, list: &[Contribution]) -> Option<String> {
-    // Both sorted, as every correct peer sends them: one walk over both lists finds the
-    // first rank that is not a member; it is also the first in list order, whatever
-    // follows it, so only a list out of order needs the second look.
-    let mut ascending = true;
+    let ascending = list.windows(2).all(|w| w[0].rank < w[1].rank);
+    // The first rank in list order that is not a member. Every correct peer sends its list
+    // sorted, and then the members need not be searched for each rank.
     let outside = match members {
-        Members::Job(n) => {
-            ascending = list.windows(2).all(|w| w[0].rank < w[1].rank);
-            if ascending {
-                list.last().filter(|c| c.rank >= *n)
-            } else {
-                list.iter().find(|c| c.rank >= *n)
-            }
-        }
-        Members::Masked { .. } => {
-            ascending = list.windows(2).all(|w| w[0].rank < w[1].rank);
-            list.iter().find(|c| !members.contains(c.rank))
-        }
+        _ if !ascending => list.iter().find(|c| !members.contains(c.rank)),
+        // Only the last rank of a sorted list can be beyond the job.
+        Members::Job(n) => list.last().filter(|c| c.rank >= *n),
+        Members::Masked { .. } => list.iter().find(|c| !members.contains(c.rank)),
         Members::Group(g) => {
-            // A binary search skips the members below the list's first rank: the walk would
-            // pass them one by one, and a list from the upper half of a large group starts
-            // far into it. The rest of a list is usually consecutive members.
+            // One walk over both sorted lists, from where the list's first rank sits among
+            // the members (a binary search: a list from the upper half of a large group
+            // starts far into it); the members passed are done with.
             let start = list
                 .first()
                 .map_or(0, |c| g.partition_point(|&m| m < c.rank));
             let mut ranks = g.get(start..).unwrap_or_default().iter();
-            let mut previous = None;
-            let mut found = None;
-            for c in list {
-                if previous.is_some_and(|p| p >= c.rank) {
-                    ascending = false;
-                    break;
-                }
-                previous = Some(c.rank);
-                // The next ranks of the list are larger: the members passed are done with.
-                if ranks.find(|&&m| m >= c.rank) != Some(&c.rank) {
-                    found = Some(c);
-                    break;
-                }
-            }
-            if ascending {
-                found
-            } else {
-                list.iter().find(|c| !members.contains(c.rank))
-            }
+            list.iter()
+                .find(|c| ranks.find(|&&m| m >= c.rank) != Some(&c.rank))
         }
     };
     if let Some(c) = outside {
@@ -613,6 +597,11 @@ mod tests {
     #[test]
     fn a_group_of_every_rank_is_the_job() {
         assert_eq!(Members::among(4, vec![0, 1, 2, 3]), Members::Job(4));
+        assert_eq!(Members::masked(4, 0, 3), Members::Job(4));
+        assert_eq!(
+            Members::masked(8, 4, 3),
+            Members::Masked { base: 4, mask: 3 }
+        );
         assert_eq!(
             Members::among(5, vec![0, 1, 2]),
             Members::Group(vec![0, 1, 2])
@@ -652,6 +641,13 @@ mod tests {
                 for group in grouping.partition(round) {
                     let members = Members::among(ranks, group.clone());
                     assert!(matches!(members, Members::Masked { .. }), "{group:?}");
+                    // The grouping gives the same mask without a list.
+                    for &r in &group {
+                        let Some((base, mask)) = grouping.group_mask(r, round) else {
+                            panic!("rank {r} of {ranks} has no mask in round {round}");
+                        };
+                        assert_eq!(Members::masked(ranks, base, mask), members);
+                    }
                     assert_eq!(&*members.ranks(), group.as_slice());
                     for r in 0..ranks {
                         assert_eq!(members.contains(r), group.contains(&r));

@@ -659,9 +659,12 @@ impl Engine {
         s.activated.remove(round);
         s.executing = Some(round);
         let sync = s.is_sync(round);
-        // A sync's members are the job: no engine lists all P ranks for it.
+        // A sync's members are the job, and a butterfly group's a mask: no list is made for
+        // either.
         let members = if sync {
             Members::Job(ranks)
+        } else if let Some((base, mask)) = s.grouping.group_mask(rank, round) {
+            Members::masked(ranks, base, mask)
         } else {
             Members::among(ranks, s.grouping.group_of(rank, round))
         };

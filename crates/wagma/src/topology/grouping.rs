@@ -286,19 +286,26 @@ impl Grouping {
         }
     }
 
+    /// `(base, mask)` when `rank`'s group in round `round` is every `base | s` for the
+    /// subsets `s` of `mask`, as it is in the butterfly and fixed groupings of powers of two;
+    /// `None` for other groupings.
+    pub(crate) fn group_mask(&self, rank: Rank, round: u64) -> Option<(Rank, Rank)> {
+        let Layout::Bits { bits, total } = self.layout else {
+            return None;
+        };
+        let round = match self.kind {
+            GroupingKind::Butterfly => round,
+            GroupingKind::Fixed => 0,
+            GroupingKind::Random { .. } => return None,
+        };
+        let mask = bit_mask(bits, total, round);
+        Some((rank & !mask, mask))
+    }
+
     /// The sorted members of `rank`'s group in round `round`.
     pub fn group_of(&self, rank: Rank, round: u64) -> Vec<Rank> {
-        if let (Layout::Bits { bits, total }, false) = (
-            &self.layout,
-            matches!(self.kind, GroupingKind::Random { .. }),
-        ) {
-            let round = if self.kind == GroupingKind::Fixed {
-                0
-            } else {
-                round
-            };
-            let mask = bit_mask(*bits, *total, round);
-            return subset_members(rank & !mask, mask);
+        if let Some((base, mask)) = self.group_mask(rank, round) {
+            return subset_members(base, mask);
         }
         self.partition(round)
             .into_iter()
@@ -821,6 +828,22 @@ mod tests {
         assert_eq!(p.len(), 3);
         assert_eq!(p, r.partition(7));
         assert_ne!(p, r.partition(8));
+    }
+
+    #[test]
+    fn masks_only_where_groups_are_subsets_of_bits() {
+        let f = Grouping::new(8, 2, GroupingKind::Fixed).unwrap();
+        assert_eq!(f.group_mask(5, 3), f.group_mask(5, 0));
+        let b = Grouping::new(8, 4, GroupingKind::Butterfly).unwrap();
+        for round in 0..4 {
+            for rank in 0..8 {
+                let (base, mask) = b.group_mask(rank, round).unwrap();
+                assert_eq!(subset_members(base, mask), b.group_of(rank, round));
+            }
+        }
+        let random = Grouping::new(8, 4, GroupingKind::Random { seed: 3 }).unwrap();
+        assert_eq!(random.group_mask(1, 1), None);
+        assert_eq!(Grouping::butterfly(12).unwrap().group_mask(1, 1), None);
     }
 
     #[test]
