@@ -98,6 +98,70 @@ impl Members {
             Members::Group(g) => g.binary_search(&r).is_ok(),
         }
     }
+
+    /// The member at position `pos` in ascending order (`pos` itself when it is beyond a
+    /// group: a caller's schedule over the job may name any rank).
+    pub(super) fn rank_at(&self, pos: usize) -> Rank {
+        match self {
+            Members::Job(_) => pos,
+            Members::Masked { base, mask } if pos >> mask.count_ones() == 0 => {
+                base | deposit(pos, *mask)
+            }
+            Members::Group(g) if pos < g.len() => g[pos],
+            Members::Masked { .. } | Members::Group(_) => pos,
+        }
+    }
+
+    /// The position of `rank` among the members in ascending order.
+    pub(super) fn position(&self, rank: Rank) -> Option<usize> {
+        match self {
+            Members::Job(n) => (rank < *n).then_some(rank),
+            Members::Masked { base, mask } => (rank & !mask == *base).then(|| extract(rank, *mask)),
+            Members::Group(g) => g.binary_search(&rank).ok(),
+        }
+    }
+}
+
+/// Where `mask`'s ones start when they are one run (none for no ones or several runs).
+fn run_of_ones(mask: usize) -> Option<u32> {
+    let shift = mask.trailing_zeros();
+    let low = mask.checked_shr(shift).unwrap_or(0);
+    (low != 0 && low & low.wrapping_add(1) == 0).then_some(shift)
+}
+
+/// The low bits of `bits` placed, in order, at the set bits of `mask` (x86's `pdep`).
+fn deposit(mut bits: usize, mut mask: usize) -> usize {
+    // A run of ones (most butterfly windows) is a shift: this is read for every message.
+    if let Some(shift) = run_of_ones(mask) {
+        return (bits << shift) & mask;
+    }
+    let mut out = 0;
+    while mask != 0 {
+        let lowest = mask & mask.wrapping_neg();
+        if bits & 1 != 0 {
+            out |= lowest;
+        }
+        bits >>= 1;
+        mask &= mask - 1;
+    }
+    out
+}
+
+/// The bits of `x` at the set bits of `mask`, packed into the low bits in order (`pext`).
+fn extract(x: usize, mut mask: usize) -> usize {
+    if let Some(shift) = run_of_ones(mask) {
+        return (x & mask) >> shift;
+    }
+    let (mut out, mut at) = (0, 0);
+    while mask != 0 {
+        let lowest = mask & mask.wrapping_neg();
+        if x & lowest != 0 {
+            out |= 1 << at;
+        }
+        at += 1;
+        mask &= mask - 1;
+    }
+    out
 }
 
 impl std::fmt::Display for Members {
@@ -143,6 +207,8 @@ pub(super) struct Running {
     /// Where the operation's timeout counts from: its start, or the last time it waited on
     /// (elastic mode) for peers that were late but still heard from.
     pub timer_from: Time,
+    /// Its peers are positions among `members` (ranks, when the members are the job): every
+    /// member at the same position of a group of the same size shares one program.
     schedule: Arc<Schedule>,
     phase: usize,
     posted: bool,
@@ -233,7 +299,12 @@ impl Running {
 
     /// Every peer of the schedule.
     pub fn peers(&self) -> Vec<Rank> {
-        self.schedule.peers()
+        let mut peers: Vec<Rank> = (self.schedule.peers().into_iter())
+            .map(|p| self.members.rank_at(p))
+            .collect();
+        // Positions map to ranks in order, except a caller's schedule's peers beyond a group.
+        peers.sort_unstable();
+        peers
     }
 
     /// The operation and its peers, for reports.
@@ -259,7 +330,7 @@ impl Running {
             return;
         };
         for (i, r) in phase.recvs.iter().enumerate() {
-            if r.peer == peer && self.got[i].is_none() && !self.absent[i] {
+            if self.members.rank_at(r.peer) == peer && self.got[i].is_none() && !self.absent[i] {
                 self.absent[i] = true;
                 self.waiting -= 1;
             }
@@ -276,7 +347,9 @@ impl Running {
         };
         let slot = if self.index.is_empty() {
             phase.recvs.iter().enumerate().position(|(i, r)| {
-                r.peer == env.from && r.step == env.tag.step && self.got[i].is_none()
+                r.step == env.tag.step
+                    && self.members.rank_at(r.peer) == env.from
+                    && self.got[i].is_none()
             })
         } else {
             self.index
@@ -378,14 +451,15 @@ impl Running {
                         },
                         data: self.buf.view(s.range.clone()),
                     };
-                    sends.push((s.peer, env));
+                    sends.push((self.members.rank_at(s.peer), env));
                 }
                 // Refilled in place: a schedule runs many phases of equal shape.
                 self.got.clear();
                 self.got.resize_with(phase.recvs.len(), || None);
                 self.absent.clear();
+                let members = &self.members;
                 self.absent
-                    .extend(phase.recvs.iter().map(|r| dead.contains(r.peer)));
+                    .extend((phase.recvs.iter()).map(|r| dead.contains(members.rank_at(r.peer))));
                 self.waiting = self.absent.iter().filter(|&&a| !a).count();
                 self.index.clear();
                 if phase.recvs.len() > 8 {
@@ -393,7 +467,7 @@ impl Running {
                         .recvs
                         .iter()
                         .enumerate()
-                        .map(|(i, r)| ((r.peer, r.step), i))
+                        .map(|(i, r)| ((members.rank_at(r.peer), r.step), i))
                         .collect();
                 }
                 self.posted = true;
@@ -404,7 +478,7 @@ impl Running {
                             seq: self.seq,
                             step: r.step,
                         },
-                        r.peer,
+                        members.rank_at(r.peer),
                     );
                     if let Some(queue) = unexpected.get_mut(&key) {
                         let env = queue.pop_front();
@@ -525,7 +599,7 @@ impl Running {
             .zip(&self.absent)
             .filter(|((_, g), a)| g.is_none() && !**a)
             .map(|(x, _)| x)
-            .map(|(r, _)| r.peer)
+            .map(|(r, _)| self.members.rank_at(r.peer))
             .collect();
         v.dedup();
         v
@@ -651,10 +725,43 @@ mod tests {
                     assert_eq!(&*members.ranks(), group.as_slice());
                     for r in 0..ranks {
                         assert_eq!(members.contains(r), group.contains(&r));
+                        assert_eq!(members.position(r), group.iter().position(|&m| m == r));
+                    }
+                    for (i, &r) in group.iter().enumerate() {
+                        assert_eq!(members.rank_at(i), r);
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn positions_map_to_members_in_ascending_order() {
+        let masks = [
+            (2, 0b101),
+            (0, 0b1011),
+            (16, 0b1100_0110),
+            (5, 0),
+            (8, 0b111),
+        ];
+        let groups = masks.map(|(base, mask)| Members::Masked { base, mask });
+        let lists = [vec![3, 5, 6], vec![0, 2, 9, 11]].map(Members::Group);
+        for members in groups.iter().chain(&lists).chain(&[Members::Job(6)]) {
+            let ranks = members.ranks();
+            for (i, &r) in ranks.iter().enumerate() {
+                assert_eq!(members.rank_at(i), r, "{members:?}");
+                assert_eq!(members.position(r), Some(i), "{members:?}");
+            }
+            for r in 0..300 {
+                assert_eq!(
+                    members.position(r).is_some(),
+                    ranks.contains(&r),
+                    "{members:?}"
+                );
+            }
+        }
+        // A caller's schedule over the job may name ranks beyond it.
+        assert_eq!(Members::Job(4).rank_at(9), 9);
     }
 
     #[test]

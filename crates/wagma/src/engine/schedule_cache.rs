@@ -1,27 +1,67 @@
-//! The schedules of the groups a rank averaged in most recently.
+//! The schedules of the groups a rank averaged in most recently, shared by position.
 //!
-//! A butterfly or fixed grouping repeats its partitions every few rounds
-//! ([`Grouping::period`]), so the same members come back; building their schedule allocates
-//! every phase anew, which in the simulator is a measurable share of each round's cost. A
-//! global sync is remembered by the job's size, not a list of its P ranks: P such lists in P
-//! engines would be P^2 memory in the simulator.
+//! A round's allreduce is built over positions in its group, not ranks (the running schedule
+//! maps a position to its rank), so it depends only on the algorithm, the group's size, the
+//! rank's position in it and the buffer's length. Every rank at the same position of a group
+//! of the same size runs one program: in a simulation of 4,096 ranks in groups of 64, the
+//! group rounds need 64 schedules, not a few per rank (about 17 MB, read by every message,
+//! against 64 KB that stay in cache).
+//!
+//! Two levels keep a schedule alive: each engine remembers the keys of its recent rounds (a
+//! butterfly or fixed grouping repeats its partitions every [`Grouping::period`] rounds, and
+//! building a schedule allocates every phase anew), and a table per thread shares one copy
+//! among the engines of that thread (the simulator runs them all on one).
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::run::Members;
-use crate::schedule::Schedule;
+use rustc_hash::FxHashMap;
+
+use crate::Rank;
+use crate::schedule::{AlgorithmChoice, AllreduceAlgorithm, Schedule, allreduce};
 use crate::topology::Grouping;
 
 /// The most schedules remembered; a grouping with a longer period is not cached, since a
 /// least-recently-used cache smaller than a cycle never hits.
 const MAX_CAPACITY: usize = 32;
 
-/// Schedules by the members they sum over and the buffer's length, least recently used first.
+/// Schedules a thread's table holds before it first drops those no engine remembers.
+const SHARED_PURGE_MIN: usize = 256;
+
+/// What a round's allreduce depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    algorithm: AllreduceAlgorithm,
+    members: usize,
+    position: usize,
+    len: usize,
+}
+
+/// The schedules of a thread's engines, by key.
+struct Shared {
+    schedules: FxHashMap<Key, Arc<Schedule>>,
+    purge_at: usize,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            schedules: FxHashMap::default(),
+            purge_at: SHARED_PURGE_MIN,
+        }
+    }
+}
+
+thread_local! {
+    static SHARED: RefCell<Shared> = RefCell::new(Shared::default());
+}
+
+/// An engine's recent round schedules, least recently used first.
 #[derive(Default)]
 pub(super) struct ScheduleCache {
     capacity: usize,
-    entries: VecDeque<(Members, usize, Arc<Schedule>)>,
+    entries: VecDeque<(Key, Arc<Schedule>)>,
 }
 
 impl ScheduleCache {
@@ -34,7 +74,7 @@ impl ScheduleCache {
         }
     }
 
-    /// A cache of at most `capacity` schedules (none: every schedule is built).
+    /// A cache of at most `capacity` schedules (none: each comes from the thread's table).
     fn with_capacity(capacity: usize) -> Self {
         ScheduleCache {
             capacity,
@@ -42,85 +82,139 @@ impl ScheduleCache {
         }
     }
 
-    /// The schedule over `members` for a buffer of `len` elements, built by `build` unless it
-    /// was among the last ones used.
-    pub fn get_or_build(
+    /// The allreduce `choice` picks for a buffer of `len` elements among `members` ranks, as
+    /// run by the one at `position` in ascending rank order; its peers are positions.
+    pub fn allreduce(
         &mut self,
-        members: &Members,
+        members: usize,
+        position: usize,
         len: usize,
-        build: impl FnOnce() -> Schedule,
+        choice: &AlgorithmChoice,
     ) -> Arc<Schedule> {
-        if let Some(i) = self
-            .entries
-            .iter()
-            .position(|(m, l, _)| *l == len && m == members)
+        let key = Key {
+            algorithm: choice.resolve(members, len),
+            members,
+            position,
+            len,
+        };
+        if let Some(i) = self.entries.iter().position(|(k, _)| *k == key)
             && let Some(entry) = self.entries.remove(i)
         {
-            let schedule = Arc::clone(&entry.2);
+            let schedule = Arc::clone(&entry.1);
             self.entries.push_back(entry);
             return schedule;
         }
-        let schedule = Arc::new(build());
+        let schedule = shared(key);
         if self.capacity == 0 {
             return schedule;
         }
         if self.entries.len() == self.capacity {
             self.entries.pop_front();
         }
-        self.entries
-            .push_back((members.clone(), len, Arc::clone(&schedule)));
+        self.entries.push_back((key, Arc::clone(&schedule)));
         schedule
     }
+}
+
+/// The thread's copy of the schedule of `key`, built if there is none.
+fn shared(key: Key) -> Arc<Schedule> {
+    SHARED.with_borrow_mut(|t| {
+        if let Some(found) = t.schedules.get(&key) {
+            return Arc::clone(found);
+        }
+        // Schedules only the table holds are dropped once it has doubled since the last purge,
+        // so that it stays proportional to the schedules in use.
+        if t.schedules.len() >= t.purge_at {
+            t.schedules.retain(|_, s| Arc::strong_count(s) > 1);
+            t.purge_at = (2 * t.schedules.len()).max(SHARED_PURGE_MIN);
+        }
+        let positions: Vec<Rank> = (0..key.members).collect();
+        let choice = AlgorithmChoice {
+            algorithm: key.algorithm,
+            ..AlgorithmChoice::default()
+        };
+        let built = Arc::new(allreduce(key.position, &positions, key.len, &choice));
+        t.schedules.insert(key, Arc::clone(&built));
+        built
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Rank;
-    use crate::schedule::recursive_doubling;
+    use crate::schedule::{recursive_doubling, reduce_scatter_allgather};
 
-    #[test]
-    fn builds_each_group_once_while_it_recurs_and_forgets_the_least_recent() {
-        let mut cache = ScheduleCache::with_capacity(4);
-        let built = std::cell::Cell::new(0);
-        let mut get = |members: &[Rank], len: usize| {
-            cache.get_or_build(&Members::Group(members.to_vec()), len, || {
-                built.set(built.get() + 1);
-                recursive_doubling(members[0], members, len)
-            })
-        };
-        let a = get(&[0, 1], 8);
-        let b = get(&[0, 2], 8);
-        assert!(Arc::ptr_eq(&a, &get(&[0, 1], 8)));
-        assert!(Arc::ptr_eq(&b, &get(&[0, 2], 8)));
-        // Another length is another schedule.
-        let c = get(&[0, 1], 16);
-        assert_eq!(c.len, 16);
-        assert_eq!(*a, recursive_doubling(0, &[0, 1], 8));
-        get(&[0, 3], 8);
-        get(&[0, 4], 8);
-        // [0, 1] x 8 was the least recently used of five; [0, 2] x 8 is still remembered.
-        assert!(Arc::ptr_eq(&b, &get(&[0, 2], 8)));
-        assert!(!Arc::ptr_eq(&a, &get(&[0, 1], 8)));
-        assert_eq!(built.get(), 6);
+    fn rd() -> AlgorithmChoice {
+        AlgorithmChoice {
+            algorithm: AllreduceAlgorithm::RecursiveDoubling,
+            ..AlgorithmChoice::default()
+        }
     }
 
     #[test]
-    fn the_whole_job_is_its_own_key() {
+    fn remembers_a_period_of_rounds_and_forgets_the_least_recent() {
         let mut cache = ScheduleCache::with_capacity(4);
-        let all: Vec<Rank> = (0..4).collect();
-        let job = cache.get_or_build(&Members::Job(4), 8, || recursive_doubling(0, &all, 8));
+        let a = cache.allreduce(2, 0, 8, &rd());
+        let b = cache.allreduce(4, 1, 8, &rd());
+        assert!(Arc::ptr_eq(&a, &cache.allreduce(2, 0, 8, &rd())));
+        // Another length is another schedule.
+        let c = cache.allreduce(2, 0, 16, &rd());
+        assert_eq!(c.len, 16);
+        assert_eq!(*a, recursive_doubling(0, &[0, 1], 8));
+        assert_eq!(*b, recursive_doubling(1, &[0, 1, 2, 3], 8));
+        cache.allreduce(8, 3, 8, &rd());
+        cache.allreduce(8, 4, 8, &rd());
+        // (4, 1, 8) was the least recently used of five; the engine no longer holds it.
+        let held = |members, len| {
+            cache
+                .entries
+                .iter()
+                .any(|(k, _)| (k.members, k.len) == (members, len))
+        };
+        assert_eq!(cache.entries.len(), 4);
+        assert!(!held(4, 8));
+        assert!(held(2, 8) && held(2, 16) && held(8, 8));
+    }
+
+    #[test]
+    fn engines_of_a_thread_share_a_position_s_schedule() {
+        let mut one = ScheduleCache::with_capacity(2);
+        let mut other = ScheduleCache::with_capacity(2);
+        let choice = AlgorithmChoice::default();
+        // 400 KB: reduce-scatter + allgather.
+        let len = 100_000;
+        let a = one.allreduce(64, 5, len, &choice);
+        assert!(Arc::ptr_eq(&a, &other.allreduce(64, 5, len, &choice)));
+        // Another position, group size or algorithm is another program.
+        assert!(!Arc::ptr_eq(&a, &other.allreduce(64, 6, len, &choice)));
+        assert!(!Arc::ptr_eq(&a, &other.allreduce(32, 5, len, &choice)));
+        assert!(!Arc::ptr_eq(&a, &other.allreduce(64, 5, len, &rd())));
+        let positions: Vec<Rank> = (0..64).collect();
+        assert_eq!(*a, reduce_scatter_allgather(5, &positions, len));
+        // Without a cache of its own an engine still finds a copy another engine holds.
         assert!(Arc::ptr_eq(
-            &job,
-            &cache.get_or_build(&Members::Job(4), 8, || unreachable!())
+            &a,
+            &ScheduleCache::default().allreduce(64, 5, len, &choice)
         ));
-        // The same ranks as a group, or another job size, are other keys.
-        let group = cache.get_or_build(&Members::Group(all.clone()), 8, || {
-            recursive_doubling(0, &all, 8)
-        });
-        assert!(!Arc::ptr_eq(&job, &group));
-        let three = cache.get_or_build(&Members::Job(3), 8, || recursive_doubling(0, &all[..3], 8));
-        assert!(!Arc::ptr_eq(&job, &three));
+    }
+
+    #[test]
+    fn the_thread_s_table_drops_only_what_no_engine_holds() {
+        let held = ScheduleCache::with_capacity(1).allreduce(3, 0, 5, &rd());
+        let mut engine = ScheduleCache::with_capacity(1);
+        let kept = engine.allreduce(3, 1, 5, &rd());
+        let dropped =
+            std::sync::Arc::downgrade(&ScheduleCache::default().allreduce(3, 2, 5, &rd()));
+        // Enough other schedules, none held, to purge the table at least once.
+        for len in 0..2 * SHARED_PURGE_MIN {
+            ScheduleCache::default().allreduce(2, 0, 100 + len, &rd());
+        }
+        assert!(Arc::ptr_eq(
+            &held,
+            &ScheduleCache::default().allreduce(3, 0, 5, &rd())
+        ));
+        assert!(Arc::ptr_eq(&kept, &engine.allreduce(3, 1, 5, &rd())));
+        assert_eq!(dropped.strong_count(), 0);
     }
 
     #[test]

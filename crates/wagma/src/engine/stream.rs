@@ -27,7 +27,7 @@ use super::{Action, Engine, Owner, ReqId, Response, Time};
 use crate::Rank;
 use crate::error::{ConfigError, Error, Op};
 use crate::payload::Payload;
-use crate::schedule::allreduce;
+use crate::schedule::Schedule;
 use crate::topology::{Grouping, GroupingKind, activation_edges};
 use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
 
@@ -701,14 +701,17 @@ impl Engine {
             self.stats.syncs += 1;
         }
         self.watch(now, &members);
-        let schedule = if self.cfg.elastic {
-            let all = members.ranks();
-            let living = all.iter().copied().filter(|&m| !self.dead.contains(m));
-            Arc::new(crate::schedule::exchange_among(rank, living, len))
-        } else {
-            self.round_schedules.get_or_build(&members, len, || {
-                allreduce(rank, &members.ranks(), len, &algorithm)
-            })
+        // Built over positions in the group: the running schedule maps them to ranks.
+        let schedule = match members.position(rank) {
+            None => Arc::new(Schedule::default()),
+            Some(position) if self.cfg.elastic => {
+                let living =
+                    (0..members.len()).filter(|&p| !self.dead.contains(members.rank_at(p)));
+                Arc::new(crate::schedule::exchange_among(position, living, len))
+            }
+            Some(position) => {
+                (self.round_schedules).allreduce(members.len(), position, len, &algorithm)
+            }
         };
         let epoch = self.epoch();
         self.start(

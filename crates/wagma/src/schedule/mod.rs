@@ -152,7 +152,7 @@ impl Schedule {
 }
 
 /// The algorithm of an allreduce inside a group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum AllreduceAlgorithm {
     /// Recursive doubling for small buffers on power-of-two groups, reduce-scatter + allgather
