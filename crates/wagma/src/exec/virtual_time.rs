@@ -144,10 +144,11 @@ fn tick_key(rank: Rank) -> u64 {
 
 /// Where an event stands in the heap: 16 bytes, so that the heap takes half the memory it did
 /// with 32 and the four siblings of a level span two cache lines instead of three (0.96x the
-/// time at 4,096 simulated ranks; aligning them to one line measured 1.03x). Events happen in the order of their time, then of their whole tie-breaking hash,
-/// then of when they were scheduled (`seq`); the key holds the time, the hash's upper half
-/// and the event's slab index, and events equal in the first two are put in that order
-/// by [`Core::order_front_ties`], from the rest kept in the slab.
+/// time at 4,096 simulated ranks; aligning them to one line measured 1.03x). Events happen in
+/// the order of their time, then of their whole tie-breaking hash, then of when they were
+/// scheduled (`seq`); the key holds the time, the hash's upper half and the event's slab
+/// index, and events equal in the first two are put in that order by
+/// [`Core::order_front_ties`], from the rest kept in the slab.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Scheduled {
     /// The time in nanoseconds (a `Duration`'s own resolution), the hash's upper 32 bits and

@@ -382,6 +382,42 @@ mod tests {
         assert_eq!(rs, 3 * 4 * (500 + 250 + 125));
     }
 
+    proptest::proptest! {
+        /// The engine builds a group's schedule over positions `0..n` and maps each peer to
+        /// the member at that position: every builder may depend on the members only through
+        /// their order.
+        #[test]
+        fn a_schedule_over_positions_is_the_schedule_over_the_members(
+            gaps in proptest::collection::vec(1usize..50, 1..40),
+            first in 0usize..1000,
+            len in 0usize..200,
+        ) {
+            let members: Vec<Rank> = gaps
+                .iter()
+                .scan(first, |r, &gap| { *r += gap; Some(*r) })
+                .collect();
+            let positions: Vec<Rank> = (0..members.len()).collect();
+            let relabel = |mut s: Schedule| {
+                for phase in &mut s.phases {
+                    for t in phase.sends.iter_mut().chain(phase.recvs.iter_mut()) {
+                        t.peer = members[t.peer];
+                    }
+                }
+                s
+            };
+            for (pos, &rank) in members.iter().enumerate() {
+                for f in [recursive_doubling, reduce_scatter_allgather, reduce_broadcast] {
+                    proptest::prop_assert_eq!(relabel(f(pos, &positions, len)), f(rank, &members, len));
+                }
+                let living = |m: &[Rank]| m.iter().copied().step_by(2).collect::<Vec<_>>();
+                proptest::prop_assert_eq!(
+                    relabel(crate::schedule::exchange_among(pos, living(&positions), len)),
+                    crate::schedule::exchange_among(rank, living(&members), len)
+                );
+            }
+        }
+    }
+
     #[test]
     fn auto_choice() {
         let c = AlgorithmChoice::default();

@@ -14,6 +14,11 @@
 //! each element as the left fold `((x_a + x_b) + x_c) + ...` over the contributors sorted by
 //! rank; recursive doubling computes a balanced tree in rank order. Two schedules with the same
 //! contributors and algorithm therefore give bit-identical results.
+//!
+//! The builders depend on the members only through their order, so a schedule built for
+//! position `i` over the members `0..n` names its peers by position: the engine builds a group
+//! round's schedule that way and shares it among every rank at the same position of a group
+//! of the same size, mapping positions to ranks as it runs.
 
 mod allreduce;
 mod exchange;
