@@ -99,24 +99,22 @@ impl Members {
         }
     }
 
-    /// The member at position `pos` in ascending order (`pos` itself when it is beyond a
-    /// group: a caller's schedule over the job may name any rank).
+    /// The member at position `pos` in ascending order. Only positions below [`Members::len`]
+    /// name members; the job maps every position to itself, since a caller's schedule over
+    /// the job may name any rank.
     pub(super) fn rank_at(&self, pos: usize) -> Rank {
         match self {
             Members::Job(_) => pos,
-            Members::Masked { base, mask } if pos >> mask.count_ones() == 0 => {
-                base | deposit(pos, *mask)
-            }
-            Members::Group(g) if pos < g.len() => g[pos],
-            Members::Masked { .. } | Members::Group(_) => pos,
+            Members::Masked { base, mask } => base | deposit(pos, *mask),
+            Members::Group(g) => g.get(pos).copied().unwrap_or(pos),
         }
     }
 
     /// The position of `rank` among the members in ascending order.
     pub(super) fn position(&self, rank: Rank) -> Option<usize> {
         match self {
-            Members::Job(n) => (rank < *n).then_some(rank),
-            Members::Masked { base, mask } => (rank & !mask == *base).then(|| extract(rank, *mask)),
+            Members::Job(_) => self.contains(rank).then_some(rank),
+            Members::Masked { mask, .. } => self.contains(rank).then(|| extract(rank, *mask)),
             Members::Group(g) => g.binary_search(&rank).ok(),
         }
     }
@@ -299,12 +297,10 @@ impl Running {
 
     /// Every peer of the schedule.
     pub fn peers(&self) -> Vec<Rank> {
-        let mut peers: Vec<Rank> = (self.schedule.peers().into_iter())
+        // Positions map to ranks in ascending order: the list stays sorted.
+        (self.schedule.peers().into_iter())
             .map(|p| self.members.rank_at(p))
-            .collect();
-        // Positions map to ranks in order, except a caller's schedule's peers beyond a group.
-        peers.sort_unstable();
-        peers
+            .collect()
     }
 
     /// The operation and its peers, for reports.
@@ -630,11 +626,9 @@ fn foreign_contribution(members: &Members, list: &[Contribution]) -> Option<Stri
     // The first rank in list order that is not a member. Every correct peer sends its list
     // sorted, and then the members need not be searched for each rank.
     let outside = match members {
-        _ if !ascending => list.iter().find(|c| !members.contains(c.rank)),
         // Only the last rank of a sorted list can be beyond the job.
-        Members::Job(n) => list.last().filter(|c| c.rank >= *n),
-        Members::Masked { .. } => list.iter().find(|c| !members.contains(c.rank)),
-        Members::Group(g) => {
+        Members::Job(n) if ascending => list.last().filter(|c| c.rank >= *n),
+        Members::Group(g) if ascending => {
             // One walk over both sorted lists, from where the list's first rank sits among
             // the members (a binary search: a list from the upper half of a large group
             // starts far into it); the members passed are done with.
@@ -645,6 +639,8 @@ fn foreign_contribution(members: &Members, list: &[Contribution]) -> Option<Stri
             list.iter()
                 .find(|c| ranks.find(|&&m| m >= c.rank) != Some(&c.rank))
         }
+        // A mask's membership is arithmetic; a list out of order is searched rank by rank.
+        _ => list.iter().find(|c| !members.contains(c.rank)),
     };
     if let Some(c) = outside {
         return Some(format!(

@@ -710,7 +710,8 @@ impl Engine {
                 Arc::new(crate::schedule::exchange_among(position, living, len))
             }
             Some(position) => {
-                (self.round_schedules).allreduce(members.len(), position, len, &algorithm)
+                self.round_schedules
+                    .allreduce(members.len(), position, len, &algorithm)
             }
         };
         let epoch = self.epoch();

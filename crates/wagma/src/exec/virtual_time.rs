@@ -715,6 +715,14 @@ mod tests {
         core.schedule(at, identity, Event::Tick { rank });
     }
 
+    /// The rank of the next event, a tick.
+    fn next_tick(core: &mut Core) -> Option<Rank> {
+        match core.next_event() {
+            Some(Event::Tick { rank }) => Some(rank),
+            _ => None,
+        }
+    }
+
     /// Pops every event, returning (time in microseconds, as the ranks' ports read it, rank).
     fn drain(core: &mut Core) -> Vec<(u128, Rank)> {
         std::iter::from_fn(|| {
@@ -800,10 +808,7 @@ mod tests {
                         id += 1;
                     }
                     Step::Handle => {
-                        let got = match c.next_event() {
-                            Some(Event::Tick { rank }) => Some(rank),
-                            _ => None,
-                        };
+                        let got = next_tick(&mut c);
                         let want = model.pop_first().map(|(_, _, id)| id);
                         prop_assert_eq!(got, want);
                     }
@@ -837,12 +842,7 @@ mod tests {
         let ranks = |events: &[(u64, u64, Rank)]| events.iter().map(|e| e.2).collect::<Vec<_>>();
         // Some handled, then more ties scheduled while the rest wait ahead and in the heap:
         // those come in order among the rest.
-        let handled: Vec<Rank> = (0..4)
-            .filter_map(|_| match c.next_event() {
-                Some(Event::Tick { rank }) => Some(rank),
-                _ => None,
-            })
-            .collect();
+        let handled: Vec<Rank> = (0..4).filter_map(|_| next_tick(&mut c)).collect();
         assert_eq!(handled, ranks(&expected[..4]));
         let mut rest = expected.split_off(4);
         for (i, low) in [3u64, 0, 8].into_iter().enumerate() {
