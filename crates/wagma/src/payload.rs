@@ -61,6 +61,13 @@ pub mod pool {
         v
     }
 
+    /// Whether a buffer of exactly `capacity` elements waits in the pool.
+    #[cfg(test)]
+    pub fn holds(capacity: usize) -> bool {
+        let pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        pool.iter().any(|v| v.capacity() == capacity)
+    }
+
     /// Hands a buffer back for reuse.
     pub fn give(v: Vec<f32>) {
         if v.capacity() < MIN_ELEMENTS {

@@ -75,7 +75,14 @@ impl Writer {
                     let since = u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     busy.store(since.saturating_add(1), Ordering::Release);
                     let written = match job {
-                        Job::Frame(env) => write_one(&mut out, &mut mac, &env, max_frame),
+                        Job::Frame(env) => {
+                            let written = write_one(&mut out, &mut mac, &env, max_frame);
+                            // The last holder of a sent buffer hands it back: dropped here, a
+                            // 64 MiB buffer would be mapped and faulted in again by the next
+                            // round's allocation.
+                            env.data.recycle();
+                            written
+                        }
                         Job::Raw(bytes) => out
                             .write_all(&bytes)
                             .and_then(|()| out.flush())
@@ -192,5 +199,57 @@ fn write_one(
                     .map_err(|e| TransportError::io("writing a frame's tag", &e))
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::payload::{Payload, pool};
+    use crate::transport::message::{Kind, Meta, Tag};
+
+    #[test]
+    fn a_sent_buffer_that_only_the_writer_still_holds_goes_back_to_the_pool() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let socket = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = listener.accept().unwrap();
+        let drain = std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            peer.read_to_end(&mut bytes).map(|_| bytes.len())
+        });
+        // A capacity no other test allocates: finding it in the pool proves this one came back.
+        let len = (3 << 20) + 7;
+        let mut own = Payload::Data(Vec::with_capacity(len));
+        if let Payload::Data(v) = &mut own {
+            v.resize(len, 1.5);
+        }
+        let env = Envelope {
+            from: 0,
+            tag: Tag {
+                kind: Kind::Round,
+                seq: 1,
+                step: 0,
+            },
+            meta: Meta {
+                total_len: len as u64,
+                ..Meta::default()
+            },
+            data: own.view(0..len),
+        };
+        let frame = env.wire_bytes();
+        drop(own);
+        let writer = Writer::spawn(0, 1, socket, None, Duration::from_secs(60), u64::MAX).unwrap();
+        writer.send(env).unwrap();
+        // Waits for the queued frame to be written, then closes the connection.
+        drop(writer);
+        let received = drain.join().unwrap().unwrap();
+        assert!(
+            received >= frame,
+            "{received} bytes received of a {frame}-byte frame"
+        );
+        assert!(pool::holds(len), "the sent buffer was not recycled");
     }
 }
