@@ -81,13 +81,40 @@ pub mod pool {
     }
 }
 
+/// The memory behind shared views ([`Payload::Shared`]), read-only. Its last holder hands it
+/// back to the pool when it drops it, wherever that is (a connection's writer thread once the
+/// frame is written, a receiver once it has summed it), so that a later round reuses it
+/// instead of mapping and faulting in a fresh buffer.
+#[derive(Debug)]
+pub struct SharedBuffer(Vec<f32>);
+
+impl SharedBuffer {
+    /// The values, taken out (what is left for `drop` to hand back is empty).
+    fn into_vec(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+impl std::ops::Deref for SharedBuffer {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl Drop for SharedBuffer {
+    fn drop(&mut self) {
+        pool::give(std::mem::take(&mut self.0));
+    }
+}
+
 /// A buffer of `f32` values, a read-only view of a shared one, or in simulations just a length.
 #[derive(Debug, Clone)]
 pub enum Payload {
     /// Owned values.
     Data(Vec<f32>),
     /// A read-only range of a buffer shared with others; written to, it becomes owned.
-    Shared(Arc<Vec<f32>>, Range<usize>),
+    Shared(Arc<SharedBuffer>, Range<usize>),
     /// A virtual buffer of this many elements: arithmetic on it is free and does nothing.
     Size(usize),
 }
@@ -183,7 +210,7 @@ impl Payload {
                 Payload::Shared(Arc::clone(a), r.start + range.start..r.start + range.end)
             }
             Payload::Data(v) => {
-                let arc = Arc::new(std::mem::take(v));
+                let arc = Arc::new(SharedBuffer(std::mem::take(v)));
                 let len = arc.len();
                 let view = Payload::Shared(Arc::clone(&arc), range);
                 *self = Payload::Shared(arc, 0..len);
@@ -220,16 +247,11 @@ impl Payload {
         self.slice(0..self.len())
     }
 
-    /// Hands the buffer's memory back for reuse (a shared buffer only by its last holder).
+    /// Hands the buffer's memory back for reuse (a shared buffer goes back when its last
+    /// holder drops it, recycled or not).
     pub fn recycle(self) {
-        match self {
-            Payload::Data(v) => pool::give(v),
-            Payload::Shared(a, _) => {
-                if let Ok(v) = Arc::try_unwrap(a) {
-                    pool::give(v);
-                }
-            }
-            Payload::Size(_) => {}
+        if let Payload::Data(v) = self {
+            pool::give(v);
         }
     }
 
@@ -328,10 +350,10 @@ impl Reduce {
     }
 }
 
-fn owned(a: Arc<Vec<f32>>, r: Range<usize>) -> Vec<f32> {
+fn owned(a: Arc<SharedBuffer>, r: Range<usize>) -> Vec<f32> {
     if r.start == 0 && r.end == a.len() {
         match Arc::try_unwrap(a) {
-            Ok(v) => v,
+            Ok(v) => v.into_vec(),
             Err(a) => pool::copy_of(&a[r]),
         }
     } else {
@@ -361,6 +383,20 @@ mod tests {
         assert_eq!(max(-0.0, 0.0), 0.0f32.to_bits());
         assert_eq!(max(-3.0, 1.5), 1.5f32.to_bits());
         assert_eq!(max(f32::INFINITY, 1.5), f32::INFINITY.to_bits());
+    }
+
+    #[test]
+    fn the_last_view_dropped_hands_the_buffer_back() {
+        // A capacity no other test allocates: finding it in the pool proves this one came back.
+        let len = (3 << 20) + 11;
+        let mut v = Vec::with_capacity(len);
+        v.resize(len, 2.0);
+        let mut p = Payload::Data(v);
+        let view = p.view(1..3);
+        drop(p);
+        assert!(!pool::holds(len), "a view still holds the buffer");
+        drop(view);
+        assert!(pool::holds(len));
     }
 
     #[test]

@@ -57,19 +57,14 @@ impl WorkBuf {
             self.segs.drain(..).for_each(|(_, p)| p.recycle());
             Payload::Size(self.len)
         } else {
-            let mut segs = self.segs.drain(..).map(|(_, p)| p);
+            let len = self.len;
+            let mut segs = self.segs.drain(..).map(|(_, p)| p).peekable();
             // A first segment of our own with room for the whole is extended in place: only
             // the rest is copied.
-            let mut v = match segs.next() {
-                Some(Payload::Data(v)) if v.capacity() >= self.len => v,
-                first => {
-                    let mut v = pool::take(self.len);
-                    if let Some(p) = first {
-                        v.extend_from_slice(p.as_slice());
-                        p.recycle();
-                    }
-                    v
-                }
+            let room = |p: &Payload| matches!(p, Payload::Data(v) if v.capacity() >= len);
+            let mut v = match segs.next_if(room) {
+                Some(first) => first.into_vec(),
+                None => pool::take(len),
             };
             for p in segs {
                 v.extend_from_slice(p.as_slice());

@@ -298,7 +298,9 @@ impl Running {
     /// Every peer of the schedule.
     pub fn peers(&self) -> Vec<Rank> {
         // Positions map to ranks in ascending order: the list stays sorted.
-        (self.schedule.peers().into_iter())
+        self.schedule
+            .peers()
+            .into_iter()
             .map(|p| self.members.rank_at(p))
             .collect()
     }
@@ -454,8 +456,12 @@ impl Running {
                 self.got.resize_with(phase.recvs.len(), || None);
                 self.absent.clear();
                 let members = &self.members;
-                self.absent
-                    .extend((phase.recvs.iter()).map(|r| dead.contains(members.rank_at(r.peer))));
+                self.absent.extend(
+                    phase
+                        .recvs
+                        .iter()
+                        .map(|r| dead.contains(members.rank_at(r.peer))),
+                );
                 self.waiting = self.absent.iter().filter(|&&a| !a).count();
                 self.index.clear();
                 if phase.recvs.len() > 8 {

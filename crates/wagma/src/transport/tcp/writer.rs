@@ -75,14 +75,7 @@ impl Writer {
                     let since = u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     busy.store(since.saturating_add(1), Ordering::Release);
                     let written = match job {
-                        Job::Frame(env) => {
-                            let written = write_one(&mut out, &mut mac, &env, max_frame);
-                            // The last holder of a sent buffer hands it back: dropped here, a
-                            // 64 MiB buffer would be mapped and faulted in again by the next
-                            // round's allocation.
-                            env.data.recycle();
-                            written
-                        }
+                        Job::Frame(env) => write_one(&mut out, &mut mac, &env, max_frame),
                         Job::Raw(bytes) => out
                             .write_all(&bytes)
                             .and_then(|()| out.flush())
