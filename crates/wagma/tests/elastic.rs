@@ -4,7 +4,9 @@ mod common;
 
 use std::time::Duration;
 
-use wagma::algo::{AlgoConfig, Algorithm, OptimizerConfig, WagmaOptions, Worker};
+use wagma::algo::{
+    AlgoConfig, Algorithm, EagerMode, LateGradients, OptimizerConfig, WagmaOptions, Worker,
+};
 use wagma::exec::threaded;
 use wagma::{Comm, EngineConfig, Error, Payload};
 
@@ -28,6 +30,56 @@ fn d_psgd_averages_over_the_living_neighbours_after_a_loss() {
     assert_survivors_converge(elastic_run(8, 60, Algorithm::DPsgd, |r| {
         (r == 5).then_some(30)
     }));
+}
+
+#[test]
+fn eager_sgd_averages_gradients_over_the_living_after_a_loss() {
+    // Every gradient is 1 and every round a sync, so the average gradient is exactly 1 and each
+    // step moves a parameter by the learning rate 0.125: with all 8 ranks, and with the 7 left
+    // once rank 5 dies at step 10 (dividing their sum by 8 would shorten the last 10 steps).
+    let cfg = EngineConfig {
+        timeout: Duration::from_secs(10),
+        heartbeat: Some(Duration::from_millis(250)),
+        elastic: true,
+        ..EngineConfig::default()
+    };
+    let algo = AlgoConfig::new(Algorithm::EagerSgd {
+        mode: EagerMode::Solo,
+        sync_period: Some(1),
+        late: LateGradients::Accumulate,
+    });
+    let out = threaded::run(8, cfg, async |c: &mut Comm| {
+        let rank = c.rank();
+        let mut w = Worker::new(
+            c,
+            algo.clone(),
+            OptimizerConfig::sgd(0.125),
+            Payload::Data(vec![0.0; 2]),
+            Payload::default(),
+        )
+        .await?;
+        for t in 0..20 {
+            if rank == 5 && t == 10 {
+                return Err(Error::Task {
+                    rank,
+                    message: "killed".into(),
+                });
+            }
+            w.step(&[1.0; 2]).await?;
+        }
+        Ok(w.params().to_vec())
+    })
+    .unwrap();
+    for (rank, r) in out.ranks.iter().enumerate() {
+        if rank == 5 {
+            assert!(r.is_err());
+            continue;
+        }
+        let params = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
+        assert_eq!(params, &vec![-2.5; 2], "rank {rank}");
+    }
 }
 
 /// Every rank but rank 5 (which died) ends within 0.05 of the optimum 1.0.

@@ -157,3 +157,91 @@ fn protocol_misuse_is_a_typed_error() {
             .contains("4 elements")
     );
 }
+
+#[test]
+fn collectives_naming_ranks_outside_the_job_are_typed_errors() {
+    use wagma::schedule::{Combine, Phase, Schedule, Transfer};
+    use wagma::transport::Kind;
+
+    // P = 4: members or peers beyond the job, a member list out of order, the rank itself as
+    // its peer and a range past the buffer fail the call, under either executor (the virtual
+    // one used to panic delivering to rank 9), and the rank goes on.
+    for exec in [Exec::Virtual(4), Exec::Threads] {
+        let out = run(exec, 4, EngineConfig::default(), async |c| {
+            let rank = c.rank();
+            let data = || Payload::Data(vec![1.0; 3]);
+            let unsorted: Vec<usize> = (0..4).rev().collect();
+            let past = Schedule {
+                len: 3,
+                phases: vec![Phase {
+                    sends: [Transfer {
+                        peer: (rank + 1) % 4,
+                        range: 1..5,
+                        step: 0,
+                    }]
+                    .into_iter()
+                    .collect(),
+                    recvs: Default::default(),
+                    combine: Combine::Copy,
+                }],
+            };
+            let refused = [
+                c.allreduce_in(&[rank, 9], 0, data(), 0).await.err(),
+                c.allreduce_in(&unsorted, 0, data(), 0).await.err(),
+                c.exchange(0, &[9], &[9], data(), 0.0, 0).await.err(),
+                c.exchange(0, &[rank], &[rank], data(), 0.0, 0).await.err(),
+                c.run(Kind::Exchange, 0, past, data(), 0.0, 0).await.err(),
+            ];
+            let sum = c.allreduce(data()).await?.into_vec();
+            Ok((refused, sum))
+        });
+        for (rank, r) in out.ranks.iter().enumerate() {
+            let (refused, sum) = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            for e in refused {
+                assert!(
+                    matches!(e, Some(Error::Protocol { rank: r, .. }) if *r == rank),
+                    "rank {rank}: {e:?}"
+                );
+            }
+            assert_eq!(sum, &vec![4.0; 3]);
+        }
+    }
+}
+
+#[test]
+fn real_parameters_with_virtual_buffers_are_refused() {
+    use wagma::algo::{AlgoConfig, Algorithm, OptimizerConfig, Worker};
+
+    // Averaging lays the buffers' values out after the parameters' (the consensus always
+    // does): a virtual buffer has none, and used to panic there.
+    let out = run(Exec::Virtual(5), 2, EngineConfig::default(), async |c| {
+        let algo = AlgoConfig::new(Algorithm::AllreduceSgd);
+        let params = Payload::Data(vec![0.0; 4]);
+        let refused = Worker::new(
+            c,
+            algo.clone(),
+            OptimizerConfig::sgd(0.1),
+            params,
+            Payload::Size(2),
+        )
+        .await
+        .err();
+        // Virtual parameters with or without real buffers, and real ones with none, are fine.
+        for (params, buffers) in [
+            (Payload::Size(4), Payload::Size(2)),
+            (Payload::Size(4), Payload::Data(vec![1.0; 2])),
+            (Payload::Data(vec![0.0; 4]), Payload::Size(0)),
+        ] {
+            Worker::new(c, algo.clone(), OptimizerConfig::sgd(0.1), params, buffers).await?;
+        }
+        Ok(refused)
+    });
+    for r in out.ranks {
+        match r {
+            Ok(Some(Error::Config(ConfigError::Invalid { what, .. }))) => {
+                assert_eq!(what, "model buffers");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}

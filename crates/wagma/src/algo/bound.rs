@@ -6,8 +6,24 @@ use super::config::{AlgoConfig, Algorithm, EagerMode, SendOrder, WagmaOptions};
 use crate::engine::initiator;
 use crate::topology::{ExponentialGraph, Grouping, default_group_size, ring_neighbors};
 
+/// Compute time of `rank` in step `t` of `draws[step][rank]`: a draw missing from an uneven
+/// table is 0 (a rank without a draw does not compute).
+pub(super) fn draw(draws: &[Vec<f64>], t: usize, rank: usize) -> f64 {
+    draws
+        .get(t)
+        .and_then(|row| row.get(rank))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// Ranks of a table of draws: its widest row.
+fn ranks(draws: &[Vec<f64>]) -> usize {
+    draws.iter().map(Vec::len).max().unwrap_or(0)
+}
+
 /// Wall time of the whole job (seconds) under `algo`'s waiting rules, for compute times
-/// `draws[step][rank]` and free communication.
+/// `draws[step][rank]` and free communication. The job has as many ranks as the widest row;
+/// a draw missing from a shorter row is 0.
 pub fn bound_wall(algo: &AlgoConfig, draws: &[Vec<f64>]) -> f64 {
     finish_times(algo, draws).into_iter().fold(0.0, f64::max)
 }
@@ -15,9 +31,7 @@ pub fn bound_wall(algo: &AlgoConfig, draws: &[Vec<f64>]) -> f64 {
 /// When each rank finishes the last step under `algo`'s waiting rules, with free communication.
 fn finish_times(algo: &AlgoConfig, draws: &[Vec<f64>]) -> Vec<f64> {
     let algorithm = &algo.algorithm;
-    let Some(p) = draws.first().map(Vec::len) else {
-        return Vec::new();
-    };
+    let p = ranks(draws);
     let mut f = vec![0.0f64; p];
     let grouping = match algorithm {
         Algorithm::Wagma(WagmaOptions {
@@ -52,9 +66,13 @@ fn finish_times(algo: &AlgoConfig, draws: &[Vec<f64>]) -> Vec<f64> {
                 .collect()
         })
     };
-    for (t, c) in draws.iter().enumerate() {
-        let t = t as u64;
-        let a: Vec<f64> = f.iter().zip(c).map(|(x, y)| x + y).collect();
+    for step in 0..draws.len() {
+        let t = step as u64;
+        let a: Vec<f64> = f
+            .iter()
+            .enumerate()
+            .map(|(r, x)| x + draw(draws, step, r))
+            .collect();
         let slowest = a.iter().copied().fold(0.0, f64::max);
         let every = |period: Option<u64>| period.is_some_and(|k| (t + 1).is_multiple_of(k));
         f = match algorithm {
@@ -95,11 +113,11 @@ fn finish_times(algo: &AlgoConfig, draws: &[Vec<f64>]) -> Vec<f64> {
     f
 }
 
-/// Wall time with no waiting and no communication at all: the slowest rank's total compute.
+/// Wall time with no waiting and no communication at all: the slowest rank's total compute
+/// (ranks and missing draws as in [`bound_wall`]).
 pub fn ideal_wall(draws: &[Vec<f64>]) -> f64 {
-    let p = draws.first().map_or(0, Vec::len);
-    (0..p)
-        .map(|r| draws.iter().map(|c| c[r]).sum::<f64>())
+    (0..ranks(draws))
+        .map(|r| (0..draws.len()).map(|t| draw(draws, t, r)).sum::<f64>())
         .fold(0.0, f64::max)
 }
 
@@ -139,6 +157,26 @@ mod tests {
             assert!(bound_wall(&a, &draws) >= ideal - 1e-9, "{name}");
             assert!(bound_wall(&a, &draws) <= ar + 1e-9, "{name}");
         }
+    }
+
+    #[test]
+    fn a_draw_missing_from_an_uneven_table_is_zero() {
+        // Rank 2 has no draw in step 1: it computes nothing there; the widest row sets P.
+        let uneven = vec![vec![1.0, 2.0], vec![3.0, 1.0, 4.0], vec![1.0, 1.0, 1.0]];
+        let filled = vec![
+            vec![1.0, 2.0, 0.0],
+            vec![3.0, 1.0, 4.0],
+            vec![1.0, 1.0, 1.0],
+        ];
+        assert_eq!(ideal_wall(&uneven), 5.0);
+        for name in Algorithm::NAMES {
+            let a = AlgoConfig::new(Algorithm::from_name(name).unwrap());
+            assert_eq!(bound_wall(&a, &uneven), bound_wall(&a, &filled), "{name}");
+        }
+        let ar = AlgoConfig::new(Algorithm::AllreduceSgd);
+        assert_eq!(bound_wall(&ar, &uneven), 2.0 + 4.0 + 1.0);
+        assert_eq!(bound_wall(&ar, &[]), 0.0);
+        assert_eq!(ideal_wall(&[vec![], vec![1.5]]), 1.5);
     }
 
     #[test]

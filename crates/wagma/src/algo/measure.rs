@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::bound::draw;
 use super::config::AlgoConfig;
 use super::optim::OptimizerConfig;
 use super::worker::Worker;
@@ -112,12 +113,7 @@ pub async fn run(comm: &mut Comm, spec: &Spec) -> Result<JobStats, Error> {
         )
         .await?;
         for t in 0..spec.steps {
-            let c = spec
-                .draws
-                .get(t as usize)
-                .and_then(|row| row.get(rank))
-                .copied()
-                .unwrap_or(0.0);
+            let c = draw(&spec.draws, t as usize, rank);
             compute += c;
             w.comm().compute(Duration::from_secs_f64(c)).await;
             if spec.real_data {

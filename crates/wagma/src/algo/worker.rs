@@ -226,7 +226,8 @@ pub struct Worker<'c> {
 impl<'c> Worker<'c> {
     /// A replica starting from `params` (trainable) and `buffers` (non-trainable), updated by
     /// wagma's optimizer `opt`. Virtual payloads give a replica without data, for throughput
-    /// simulations.
+    /// simulations; real parameters beside virtual (non-empty) buffers are rejected with
+    /// [`ConfigError::Invalid`], by every constructor.
     pub async fn new(
         comm: &'c mut Comm,
         cfg: AlgoConfig,
@@ -298,6 +299,18 @@ impl<'c> Worker<'c> {
             });
         }
         cfg.validate(p)?;
+        // Real parameters are averaged with the buffers' values laid out after them (in
+        // scope, and always for the consensus): a virtual buffer has none to lay out.
+        if !params.is_virtual() && buffers.is_virtual() && !buffers.is_empty() {
+            return Err(Error::Config(ConfigError::Invalid {
+                what: "model buffers",
+                detail: format!(
+                    "virtual buffers ({} elements) beside real parameters: pass the buffers' \
+                     values, or virtual parameters too",
+                    buffers.len()
+                ),
+            }));
+        }
         if !resume.optimizer_state.is_empty() {
             let have = opt.as_ref().map_or(0, |o| o.state().len());
             match opt.as_mut() {
@@ -588,7 +601,7 @@ impl<'c> Worker<'c> {
             Algorithm::EagerSgd { .. } => {
                 let r = self.comm.arrive(t, grad.into_payload(), t + 1).await?;
                 let mut avg = r.sum.duplicate();
-                avg.scale(1.0 / p as f32);
+                avg.scale(1.0 / contributors(&r, p) as f32);
                 let avg = Grad::Owned(avg);
                 self.state.local_step(t, &avg, &mut update);
                 avg.recycle();
@@ -771,13 +784,8 @@ impl<'c> Worker<'c> {
         let scope = self.cfg.scope;
         match r.kind {
             RoundKind::Sync => {
-                // Every rank, or in elastic mode every rank still alive.
-                let n = if r.members.is_empty() {
-                    p
-                } else {
-                    r.members.len()
-                };
-                self.state.mix(scope, &r.sum, 1.0 / n as f32, false)
+                self.state
+                    .mix(scope, &r.sum, 1.0 / contributors(r, p) as f32, false)
             }
             // A rank alone in its group learns nothing from anyone: its model stays as its
             // step left it (averaging with its own earlier contribution would undo half a step).
@@ -899,6 +907,18 @@ impl<'c> Worker<'c> {
             .allreduce_mean(Payload::Data(vec![d as f32]))
             .await?;
         Ok(mean.as_slice().first().map_or(0.0, |&x| f64::from(x)))
+    }
+}
+
+/// How many contributions the sum of round `r` holds in a job of `p`: its members, passive
+/// ones included (a pending gradient, a published model); after a loss (elastic mode) only
+/// the living. All `p` when no member is reported. Without failures every rank is a member
+/// of an eager-SGD round or a sync, so this is `p`.
+fn contributors(r: &RoundResult, p: usize) -> usize {
+    if r.members.is_empty() {
+        p
+    } else {
+        r.members.len()
     }
 }
 

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use super::run::{Members, Owner};
-use super::{Action, CollectiveRun, Engine, ReqId, Time};
+use super::{CollectiveRun, Engine, ReqId, Time};
 use crate::error::{Error, Op};
 use crate::payload::Payload;
 use crate::schedule;
@@ -32,7 +32,8 @@ pub(super) struct Gossip {
     /// What the compute side's mixes changed in the shared copy since the exchange in flight
     /// sent it (`None`: nothing).
     mixed_since_sent: Option<Payload>,
-    /// Blocking collectives held back behind the exchange in flight.
+    /// Blocking collectives held back behind the exchange in flight (outstanding requests
+    /// of the engine, which a failure answers).
     held: Vec<(ReqId, CollectiveRun)>,
 }
 
@@ -59,6 +60,13 @@ impl Gossip {
             None
         } else {
             Some(run)
+        }
+    }
+
+    /// Drops the collectives held back, once a failure has answered them.
+    pub fn drop_held(&mut self) {
+        for (_, run) in self.held.drain(..) {
+            run.data.recycle();
         }
     }
 }
@@ -171,7 +179,7 @@ impl Engine {
 
     /// An exchange came back with the pair's average `avg` of what it sent: the shared copy
     /// takes the average plus what the compute side mixed in meanwhile.
-    pub(super) fn on_gossip_done(&mut self, now: Time, mut avg: Payload, out: &mut Vec<Action>) {
+    pub(super) fn on_gossip_done(&mut self, now: Time, mut avg: Payload) {
         let Some(g) = self.gossip.as_mut() else {
             return;
         };
@@ -184,11 +192,8 @@ impl Engine {
         g.done += 1;
         g.budget = g.budget.saturating_sub(1);
         self.stats.gossip_exchanges += 1;
-        let held = std::mem::take(&mut g.held);
-        for (id, run) in held {
-            if let Err(e) = self.begin_run(now, id, run) {
-                self.complete(id, Err(e), out);
-            }
+        for (id, run) in std::mem::take(&mut g.held) {
+            self.begin_run(now, id, run);
         }
         self.next_exchange(now);
     }

@@ -118,7 +118,20 @@ impl Engine {
     }
 
     /// Sends `to` (just admitted) the state to start from, with this engine's counters.
-    pub(super) fn welcome(&mut self, to: Rank, data: Payload, info: &[u64], out: &mut Vec<Action>) {
+    pub(super) fn welcome(
+        &mut self,
+        to: Rank,
+        data: Payload,
+        info: &[u64],
+        out: &mut Vec<Action>,
+    ) -> Result<(), Error> {
+        if to >= self.ranks || to == self.rank {
+            return Err(Error::Protocol {
+                rank: self.rank,
+                op: Op::Other("welcoming a rank"),
+                detail: format!("rank {to} is not a peer of this job"),
+            });
+        }
         let meta = Meta {
             total_len: data.len() as u64,
             aux: self.opened_streams,
@@ -127,6 +140,7 @@ impl Engine {
         };
         let env = self.control(CONTROL_WELCOME, meta, data);
         self.send(to, env, out);
+        Ok(())
     }
 
     pub(super) fn on_welcome(&mut self, now: Time, env: &Envelope, out: &mut Vec<Action>) {

@@ -115,6 +115,16 @@ pub struct CollectiveRun {
     pub steps: u64,
 }
 
+impl CollectiveRun {
+    /// The operation, for errors and traces.
+    fn op(&self) -> Op {
+        Op::Collective {
+            kind: self.kind.name(),
+            seq: self.seq,
+        }
+    }
+}
+
 /// What the compute side asks of its engine.
 #[derive(Debug)]
 pub enum Request {
@@ -421,19 +431,23 @@ impl Engine {
                     return;
                 }
             }
-            Request::Run(run) => {
-                let run = match self.gossip.as_mut() {
-                    Some(g) => g.hold(id, run),
-                    None => Some(run),
-                };
-                match run.map(|run| self.begin_run(now, id, run)) {
-                    Some(Err(e)) => Err(e),
-                    _ => {
-                        self.settle(now, out);
-                        return;
+            Request::Run(run) => match self.check_run(&run) {
+                Err(e) => Err(e),
+                Ok(op) => {
+                    // Outstanding even while held back behind a gossip exchange, so that a
+                    // failure meanwhile (the exchange's peer lost) answers it too.
+                    self.outstanding.insert(id, op);
+                    let run = match self.gossip.as_mut() {
+                        Some(g) => g.hold(id, run),
+                        None => Some(run),
+                    };
+                    if let Some(run) = run {
+                        self.begin_run(now, id, run);
                     }
+                    self.settle(now, out);
+                    return;
                 }
-            }
+            },
             Request::OpenPassive { initial } => {
                 self.become_passive(Passive::new(initial), out);
                 Ok(Response::Done)
@@ -471,8 +485,7 @@ impl Engine {
             }
             Request::Admit { ranks } => self.admit(now, &ranks).map(|()| Response::Done),
             Request::Welcome { to, data, info } => {
-                self.welcome(to, data, &info, out);
-                Ok(Response::Done)
+                self.welcome(to, data, &info, out).map(|()| Response::Done)
             }
             Request::AwaitWelcome { timeout } => {
                 self.await_welcome(now, id, timeout, out);
@@ -835,7 +848,8 @@ impl Engine {
         }
     }
 
-    /// Stops the engine with `err`: every outstanding and later request fails with it.
+    /// Stops the engine with `err`: every outstanding and later request fails with it (a
+    /// collective held back behind a gossip exchange is outstanding too).
     pub fn fail(&mut self, err: Error, out: &mut Vec<Action>) {
         if self.failed.is_some() {
             return;
@@ -848,6 +862,9 @@ impl Engine {
             });
         }
         self.running.clear();
+        if let Some(g) = self.gossip.as_mut() {
+            g.drop_held();
+        }
         self.failed = Some(Box::new(err));
     }
 
@@ -916,8 +933,34 @@ impl Engine {
         None
     }
 
-    /// Starts a blocking collective of the compute side (without advancing it).
-    fn begin_run(&mut self, now: Time, id: ReqId, run: CollectiveRun) -> Result<(), Error> {
+    /// Checks a blocking collective of the compute side before it is started or held back:
+    /// its schedule is the caller's, and a peer outside the job or a range past the buffer
+    /// would only fail later, in an executor or in the middle of a reduction. Returns the
+    /// operation it is.
+    fn check_run(&self, run: &CollectiveRun) -> Result<Op, Error> {
+        let op = run.op();
+        let detail = if run.data.len() != run.schedule.len {
+            format!(
+                "buffer of {} elements for a schedule over {}",
+                run.data.len(),
+                run.schedule.len
+            )
+        } else if let Err(e) = run.schedule.check(self.rank, self.ranks) {
+            e.to_string()
+        } else {
+            return Ok(op);
+        };
+        Err(Error::Protocol {
+            rank: self.rank,
+            op,
+            detail,
+        })
+    }
+
+    /// Starts a blocking collective of the compute side, checked by [`Engine::check_run`] and
+    /// outstanding (without advancing it).
+    fn begin_run(&mut self, now: Time, id: ReqId, run: CollectiveRun) {
+        let op = run.op();
         let CollectiveRun {
             kind,
             seq,
@@ -927,22 +970,6 @@ impl Engine {
             steps,
         } = run;
         self.iteration = self.iteration.max(steps);
-        let op = Op::Collective {
-            kind: kind.name(),
-            seq,
-        };
-        if data.len() != schedule.len {
-            return Err(Error::Protocol {
-                rank: self.rank,
-                op,
-                detail: format!(
-                    "buffer of {} elements for a schedule over {}",
-                    data.len(),
-                    schedule.len
-                ),
-            });
-        }
-        self.outstanding.insert(id, op.clone());
         let contributions = vec![Contribution {
             rank: self.rank,
             steps,
@@ -960,7 +987,6 @@ impl Engine {
             weight,
             contributions,
         );
-        Ok(())
     }
 
     /// Starts `schedule`, a reduction over `members` (the ranks a peer's contribution list may
@@ -1082,7 +1108,7 @@ impl Engine {
             Owner::Stream { epoch, round } => {
                 self.on_round_done(now, epoch, round, data, contributions, out)
             }
-            Owner::Gossip => self.on_gossip_done(now, data, out),
+            Owner::Gossip => self.on_gossip_done(now, data),
         }
     }
 }

@@ -956,3 +956,129 @@ fn a_gossip_exchange_keeps_what_the_step_mixed_in_and_holds_back_a_collective() 
         Some((0, 1, Err(Error::Protocol { .. })))
     ));
 }
+
+#[test]
+fn a_collective_held_behind_a_gossip_exchange_fails_with_the_exchange() {
+    // Rank 0 (active) starts an exchange with rank 1, which never answers (it died), then asks
+    // for a collective, held back behind the exchange: when the exchange times out, the
+    // collective is answered with that timeout, naming rank 1, not left waiting for ever.
+    let mut net = Net::new(2);
+    for r in 0..2 {
+        let initial = Payload::Data(vec![r as f32; 2]);
+        net.request(
+            r,
+            1,
+            Request::OpenGossip {
+                initial,
+                exchanges: 1,
+            },
+        );
+    }
+    let mix = Request::GossipMix {
+        data: Payload::Data(vec![2.0; 2]),
+        start: true,
+    };
+    net.request(0, 2, mix);
+    mixed(&mut net, 0, 2);
+    assert_eq!(net.wire.len(), 1);
+    net.wire.clear();
+    let barrier = Request::Run(CollectiveRun {
+        kind: Kind::Collective,
+        seq: 9,
+        schedule: crate::schedule::exchange_among(0, 0..2, 1),
+        data: Payload::Data(vec![1.0]),
+        weight: 0.0,
+        steps: 0,
+    });
+    net.request(0, 3, barrier);
+    assert!(
+        net.wire.is_empty(),
+        "the collective must wait for the exchange"
+    );
+    assert!(!net.done.iter().any(|(r, id, _)| (*r, *id) == (0, 3)));
+    let mut out = Vec::new();
+    net.engines[0].on_tick(Duration::from_secs(61), &mut out);
+    net.absorb(0, out);
+    match net.take(0, 3) {
+        Err(Error::Timeout {
+            rank: 0, missing, ..
+        }) => assert_eq!(missing, vec![1]),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(
+        net.wire.is_empty(),
+        "a failed engine starts nothing held back"
+    );
+}
+
+#[test]
+fn a_collective_whose_schedule_the_rank_cannot_run_is_refused_before_it_starts() {
+    // Rank 0 of 4 with a buffer of 3: a peer beyond the job, the rank itself as a peer and a
+    // range past the buffer are refused at once; nothing is sent and the engine goes on.
+    let mut e = Engine::new(0, 4, EngineConfig::default());
+    let run = |schedule: Schedule| {
+        Request::Run(CollectiveRun {
+            kind: Kind::Exchange,
+            seq: 0,
+            schedule,
+            data: Payload::Data(vec![1.0; 3]),
+            weight: 0.0,
+            steps: 0,
+        })
+    };
+    let mut past = crate::schedule::pair_request(2, 3);
+    past.phases[1].recvs[0].range = 0..4;
+    let bad = [
+        (crate::schedule::exchange(&[1], &[9], 3), "names peer 9"),
+        (crate::schedule::exchange(&[0], &[1], 3), "as its own peer"),
+        (past, "elements 0..4 of a buffer of 3"),
+        (
+            crate::schedule::exchange(&[1], &[1], 4),
+            "buffer of 3 elements",
+        ),
+    ];
+    for (id, (schedule, says)) in bad.into_iter().enumerate() {
+        let mut out = Vec::new();
+        e.on_request(Duration::ZERO, id as ReqId, run(schedule), &mut out);
+        match &out[..] {
+            [
+                Action::Complete {
+                    result: Err(err @ Error::Protocol { rank: 0, .. }),
+                    ..
+                },
+            ] => assert!(err.to_string().contains(says), "{err}"),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(e.failure().is_none());
+    assert!(e.outstanding.is_empty() && e.running.is_empty());
+    let mut out = Vec::new();
+    let fine = crate::schedule::exchange(&[1], &[1], 3);
+    e.on_request(Duration::ZERO, 9, run(fine), &mut out);
+    assert!(matches!(&out[..], [Action::Send { to: 1, .. }]), "{out:?}");
+}
+
+#[test]
+fn a_welcome_to_a_rank_outside_the_job_is_refused() {
+    let mut e = Engine::new(0, 4, elastic());
+    for (id, to) in [(1, 9), (2, 0)] {
+        let mut out = Vec::new();
+        let welcome = Request::Welcome {
+            to,
+            data: Payload::Data(vec![1.0]),
+            info: Vec::new(),
+        };
+        e.on_request(Duration::ZERO, id, welcome, &mut out);
+        assert!(
+            matches!(
+                &out[..],
+                [Action::Complete {
+                    result: Err(Error::Protocol { rank: 0, .. }),
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+    }
+    assert!(e.failure().is_none());
+}

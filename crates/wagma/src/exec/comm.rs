@@ -173,7 +173,9 @@ impl Comm {
         }
     }
 
-    /// Runs a schedule built by one of the [`crate::schedule`] functions.
+    /// Runs a schedule built by one of the [`crate::schedule`] functions. A schedule this rank
+    /// cannot run ([`Schedule::check`], or a buffer of another length) is rejected with
+    /// [`Error::Protocol`] before anything is sent.
     pub async fn run(
         &mut self,
         kind: Kind,
@@ -251,7 +253,8 @@ impl Comm {
             .await
     }
 
-    /// Blocking sum over `members` (sorted, containing this rank), identified by `seq`.
+    /// Blocking sum over `members` (strictly ascending ranks of the job, this rank among
+    /// them), identified by `seq`.
     pub async fn allreduce_in(
         &mut self,
         members: &[Rank],
@@ -264,7 +267,9 @@ impl Comm {
             .await
     }
 
-    /// Like [`Comm::allreduce_in`] with an explicit algorithm choice.
+    /// Like [`Comm::allreduce_in`] with an explicit algorithm choice. A list of members that
+    /// is not strictly ascending, names a rank outside the job or leaves this rank out is
+    /// rejected with [`Error::Protocol`].
     pub async fn allreduce_with(
         &mut self,
         members: &[Rank],
@@ -273,14 +278,25 @@ impl Comm {
         steps: u64,
         choice: &AlgorithmChoice,
     ) -> Result<Exchanged, Error> {
-        if members.binary_search(&self.rank).is_err() {
+        // Rejected, not sorted here: every member builds its program from the list, and a
+        // list in another order at another member would build a mismatched one.
+        let fault = if !members.windows(2).all(|w| w[0] < w[1]) {
+            Some("members must be strictly ascending (sorted, each rank once)")
+        } else if members.last().is_some_and(|&m| m >= self.size) {
+            Some("a member is outside the job's ranks")
+        } else if members.binary_search(&self.rank).is_err() {
+            Some("this rank is not a member")
+        } else {
+            None
+        };
+        if let Some(fault) = fault {
             return Err(Error::Protocol {
                 rank: self.rank,
                 op: Op::Collective {
                     kind: "allreduce",
                     seq,
                 },
-                detail: format!("rank is not a member of {members:?}"),
+                detail: format!("{fault}: {members:?} (P = {})", self.size),
             });
         }
         let schedule = self.allreduce_schedule(members, data.len(), choice);
@@ -383,7 +399,8 @@ impl Comm {
     }
 
     /// Sends the buffer to `send_to`, sums what `recv_from` send (in rank order, with the local
-    /// buffer and weights). `seq` must be the same at both ends (the iteration).
+    /// buffer and weights). `seq` must be the same at both ends (the iteration). A peer outside
+    /// the job, or this rank itself, is rejected with [`Error::Protocol`].
     pub async fn exchange(
         &mut self,
         seq: u64,

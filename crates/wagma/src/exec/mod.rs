@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use crate::Rank;
 use crate::engine::{Request, Response};
 use crate::error::Error;
 
@@ -58,14 +59,15 @@ impl Slot {
     }
 }
 
-/// A request in flight; resolves to the engine's answer.
+/// A request in flight of `rank`; resolves to the engine's answer.
 pub(crate) struct Pending {
+    rank: Rank,
     slot: Arc<Slot>,
 }
 
 impl Pending {
-    pub fn new(slot: Arc<Slot>) -> Pending {
-        Pending { slot }
+    pub fn new(rank: Rank, slot: Arc<Slot>) -> Pending {
+        Pending { rank, slot }
     }
 }
 
@@ -81,7 +83,7 @@ impl Future for Pending {
                 Poll::Pending
             }
             SlotState::Taken => Poll::Ready(Err(Error::Protocol {
-                rank: usize::MAX,
+                rank: self.rank,
                 op: crate::error::Op::Other("await"),
                 detail: "a completed request was awaited twice".into(),
             })),
@@ -129,5 +131,20 @@ impl<R> JobResult<R> {
             });
         }
         self.ranks.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_awaited_twice_names_its_rank() {
+        let mut pending = Pending::new(3, Slot::ready(Ok(Response::Done)));
+        assert!(matches!(block_on(&mut pending), Ok(Response::Done)));
+        match block_on(&mut pending) {
+            Err(Error::Protocol { rank, .. }) => assert_eq!(rank, 3),
+            other => panic!("unexpected {other:?}"),
+        }
     }
 }

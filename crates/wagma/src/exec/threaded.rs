@@ -84,7 +84,7 @@ impl Port for ThreadedPort {
                 cause: None,
             }));
         }
-        Pending::new(slot)
+        Pending::new(self.rank, slot)
     }
 
     fn now(&self) -> Duration {
@@ -93,7 +93,7 @@ impl Port for ThreadedPort {
 
     fn sleep(&self, d: Duration) -> Pending {
         std::thread::sleep(d);
-        Pending::new(Slot::ready(Ok(Response::Done)))
+        Pending::new(self.rank, Slot::ready(Ok(Response::Done)))
     }
 
     fn leave(&self, abort: bool) {
@@ -306,14 +306,22 @@ where
                         let _ = engine.join();
                         (result, at)
                     })
-                    .unwrap_or_else(|e| panic!("cannot start the thread of rank {rank}: {e}"))
+                    // The rank fails; its transport, dropped with the closure, tells the
+                    // peers it is gone.
+                    .map_err(|e| {
+                        let err = Error::Transport {
+                            rank,
+                            source: TransportError::io("starting the rank's compute thread", &e),
+                        };
+                        (Err(err), start.elapsed())
+                    })
             })
             .collect();
         handles
             .into_iter()
             .enumerate()
-            .map(|(rank, h)| {
-                h.join().unwrap_or_else(|_| {
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
                     (
                         Err(Error::Task {
                             rank,
@@ -321,7 +329,8 @@ where
                         }),
                         start.elapsed(),
                     )
-                })
+                }),
+                Err(failed) => failed,
             })
             .collect()
     });

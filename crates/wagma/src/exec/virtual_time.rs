@@ -28,6 +28,10 @@ use crate::engine::{Action, Engine, EngineConfig, ReqId, Request, Response};
 use crate::error::{ConfigError, Error};
 use crate::transport::Envelope;
 
+/// An engine timeout for virtual time: a hang shows as a deadlock (no event left) long before
+/// any timeout could, so one far beyond any run keeps timeouts out of the way.
+pub const TIMEOUT_OFF: Duration = Duration::from_secs(1 << 40);
+
 /// When a message sent at `now` arrives.
 pub trait NetworkModel: Send {
     /// Arrival time of `bytes` sent from `from` to `to` at `now`. Called in send order, so a
@@ -511,7 +515,7 @@ impl Port for VirtualPort {
         let slot = Slot::new();
         core.slots.insert(id, Arc::clone(&slot));
         core.submitted.push_back((self.rank, id, req));
-        Pending::new(slot)
+        Pending::new(self.rank, slot)
     }
 
     fn now(&self) -> Duration {
@@ -531,7 +535,7 @@ impl Port for VirtualPort {
                 rank: self.rank,
             },
         );
-        Pending::new(slot)
+        Pending::new(self.rank, slot)
     }
 
     fn leave(&self, abort: bool) {

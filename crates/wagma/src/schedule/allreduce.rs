@@ -264,12 +264,16 @@ fn direct(idx: usize, members: &[Rank], len: usize) -> Schedule {
 mod tests {
     use super::*;
 
-    /// Sends and receives must pair up exactly across the members.
+    /// Sends and receives must pair up exactly across the members, and each member's program
+    /// must pass the engine's check.
     fn check_matching(members: &[Rank], len: usize, f: fn(Rank, &[Rank], usize) -> Schedule) {
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
+        let ranks = members.iter().max().map_or(0, |m| m + 1);
         for &r in members {
-            for p in f(r, members, len).phases {
+            let schedule = f(r, members, len);
+            assert_eq!(schedule.check(r, ranks), Ok(()), "rank {r} of {members:?}");
+            for p in schedule.phases {
                 for t in p.sends {
                     sends.push((r, t.peer, t.step, t.range.len()));
                 }

@@ -84,6 +84,50 @@ pub struct Schedule {
     pub phases: Vec<Phase>,
 }
 
+/// Why a schedule cannot be run by a rank: schedules built by callers are checked before they
+/// start, so that a wrong one fails as an error instead of in an executor or a reduction.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidSchedule {
+    /// A transfer names a rank outside the job.
+    #[error("phase {phase} names peer {peer}, outside the job's ranks 0..{ranks}")]
+    PeerOutOfRange {
+        /// The phase.
+        phase: usize,
+        /// The peer named.
+        peer: Rank,
+        /// Ranks of the job.
+        ranks: usize,
+    },
+    /// A transfer names the rank running the schedule.
+    #[error("phase {phase} names rank {rank}, which runs the schedule, as its own peer")]
+    OwnRank {
+        /// The phase.
+        phase: usize,
+        /// The rank running the schedule.
+        rank: Rank,
+    },
+    /// A transfer's range is reversed or reaches past the working buffer.
+    #[error("phase {phase} transfers elements {range:?} of a buffer of {len}")]
+    RangeOutOfBounds {
+        /// The phase.
+        phase: usize,
+        /// The range.
+        range: Range<usize>,
+        /// Elements of the working buffer.
+        len: usize,
+    },
+    /// A reducing phase receives different ranges (it folds one range).
+    #[error("phase {phase} reduces receives of different ranges, {first:?} and {other:?}")]
+    UnevenReduction {
+        /// The phase.
+        phase: usize,
+        /// Its first receive's range.
+        first: Range<usize>,
+        /// A receive's range that differs.
+        other: Range<usize>,
+    },
+}
+
 /// What a schedule costs one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Cost {
@@ -141,6 +185,43 @@ impl Schedule {
             .filter_map(|p| p.recvs.first().map(|r| (p.recvs.len(), r.range.len())))
             .map(|(k, len)| (k + 2) * len * 4)
             .sum()
+    }
+
+    /// Checks that `rank` of a job of `ranks` can run this schedule over the job's ranks:
+    /// every peer is another rank of the job, every range lies within the buffer, and a
+    /// reducing phase receives one range.
+    pub fn check(&self, rank: Rank, ranks: usize) -> Result<(), InvalidSchedule> {
+        for (phase, p) in self.phases.iter().enumerate() {
+            for t in p.sends.iter().chain(&p.recvs) {
+                if t.peer >= ranks {
+                    return Err(InvalidSchedule::PeerOutOfRange {
+                        phase,
+                        peer: t.peer,
+                        ranks,
+                    });
+                }
+                if t.peer == rank {
+                    return Err(InvalidSchedule::OwnRank { phase, rank });
+                }
+                if t.range.start > t.range.end || t.range.end > self.len {
+                    return Err(InvalidSchedule::RangeOutOfBounds {
+                        phase,
+                        range: t.range.clone(),
+                        len: self.len,
+                    });
+                }
+            }
+            if let (Combine::Reduce(_), Some(first)) = (p.combine, p.recvs.first())
+                && let Some(other) = p.recvs.iter().find(|t| t.range != first.range)
+            {
+                return Err(InvalidSchedule::UnevenReduction {
+                    phase,
+                    first: first.range.clone(),
+                    other: other.range.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Every peer this rank sends to or receives from.
@@ -235,5 +316,76 @@ impl AlgorithmChoice {
             }
             a => a,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_refuses_peers_outside_the_job_the_own_rank_and_ranges_past_the_buffer() {
+        // Rank 1 of 4, a buffer of 6.
+        let check = |s: Schedule| s.check(1, 4);
+        assert_eq!(check(exchange(&[0, 2], &[0, 3], 6)), Ok(()));
+        assert_eq!(check(exchange_right_then_left(0, 2, 6)), Ok(()));
+        assert_eq!(check(exchange_among(1, 0..4, 6)), Ok(()));
+        assert_eq!(check(pair_request(3, 6)), Ok(()));
+        assert_eq!(
+            check(exchange(&[0], &[9], 6)),
+            Err(InvalidSchedule::PeerOutOfRange {
+                phase: 0,
+                peer: 9,
+                ranks: 4
+            })
+        );
+        assert_eq!(
+            check(exchange_right_then_left(0, 1, 6)),
+            Err(InvalidSchedule::OwnRank { phase: 0, rank: 1 })
+        );
+        let t = |peer, range, step| Transfer { peer, range, step };
+        let mut past = pair_request(0, 6);
+        past.phases[1].recvs[0].range = 2..7;
+        assert_eq!(
+            check(past),
+            Err(InvalidSchedule::RangeOutOfBounds {
+                phase: 1,
+                range: 2..7,
+                len: 6
+            })
+        );
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = 4..2;
+        let mut backwards = pair_request(0, 6);
+        backwards.phases[0].sends[0].range = reversed.clone();
+        assert!(matches!(
+            check(backwards),
+            Err(InvalidSchedule::RangeOutOfBounds { phase: 0, range, .. }) if range == reversed
+        ));
+        let uneven = Schedule {
+            len: 6,
+            phases: vec![Phase {
+                sends: Transfers::new(),
+                recvs: [t(0, 0..3, 0), t(2, 3..6, 0)].into_iter().collect(),
+                combine: Combine::Reduce(Reduce::Sum),
+            }],
+        };
+        assert_eq!(
+            check(uneven.clone()),
+            Err(InvalidSchedule::UnevenReduction {
+                phase: 0,
+                first: 0..3,
+                other: 3..6
+            })
+        );
+        // Copies may receive different ranges (an allgather does).
+        let gather = Schedule {
+            phases: vec![Phase {
+                combine: Combine::Copy,
+                ..uneven.phases[0].clone()
+            }],
+            ..uneven
+        };
+        assert_eq!(check(gather), Ok(()));
     }
 }
