@@ -246,7 +246,9 @@ impl Error {
     pub fn peer(&self) -> Option<Rank> {
         match self {
             Error::Timeout { missing, .. } => missing.first().copied(),
-            Error::PeerLost { peer, .. } | Error::LengthMismatch { peer, .. } => Some(*peer),
+            Error::PeerLost { peer, .. }
+            | Error::LengthMismatch { peer, .. }
+            | Error::LayoutMismatch { peer, .. } => Some(*peer),
             Error::NoQuorum { lost, .. } => Some(*lost),
             Error::Stopped { cause: Some(c), .. } => c.peer(),
             Error::Transport {
@@ -261,7 +263,8 @@ impl Error {
 /// A failure of a transport (connection, framing, handshake).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum TransportError {
-    /// An I/O failure, optionally on the connection to one peer.
+    /// An I/O failure; the context says what was being done (a failure on the connection to a
+    /// known peer is [`TransportError::Peer`]).
     #[error("{context}: {message}")]
     Io {
         /// What was being done.

@@ -16,8 +16,8 @@ pub mod pool {
     const MIN_ELEMENTS: usize = 1 << 14;
     /// Largest number of buffers kept.
     const MAX_BUFFERS: usize = 64;
-    /// Largest number of elements kept in all (1 GiB).
-    const MAX_ELEMENTS: usize = 1 << 30;
+    /// Largest number of elements kept in all: 1 GiB of `f32`s.
+    const MAX_ELEMENTS: usize = (1 << 30) / std::mem::size_of::<f32>();
 
     static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
@@ -37,21 +37,33 @@ pub mod pool {
         v
     }
 
+    /// Like [`take_scratch`], but only from a buffer the pool already holds: `None` when it
+    /// holds none that fits, and nothing is allocated.
+    pub fn take_recycled(len: usize) -> Option<Vec<f32>> {
+        let mut v = take_held(len)?;
+        v.truncate(len);
+        v.resize(len, 0.0);
+        Some(v)
+    }
+
     /// A recycled buffer with room for `len` elements, as it was handed back.
     fn take_any(len: usize) -> Vec<f32> {
-        if len >= MIN_ELEMENTS {
-            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-            // Prefer a buffer already as long as needed: nothing to fill.
-            let fits = |v: &Vec<f32>| v.capacity() >= len && v.capacity() <= 2 * len;
-            let pick = pool
-                .iter()
-                .position(|v| fits(v) && v.len() >= len)
-                .or_else(|| pool.iter().position(fits));
-            if let Some(i) = pick {
-                return pool.swap_remove(i);
-            }
+        take_held(len).unwrap_or_else(|| Vec::with_capacity(len))
+    }
+
+    /// A buffer of the pool with room for `len` elements (and not much more), if it holds one.
+    fn take_held(len: usize) -> Option<Vec<f32>> {
+        if len < MIN_ELEMENTS {
+            return None;
         }
-        Vec::with_capacity(len)
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        // Prefer a buffer already as long as needed: nothing to fill.
+        let fits = |v: &Vec<f32>| v.capacity() >= len && v.capacity() <= 2 * len;
+        let pick = pool
+            .iter()
+            .position(|v| fits(v) && v.len() >= len)
+            .or_else(|| pool.iter().position(fits));
+        pick.map(|i| pool.swap_remove(i))
     }
 
     /// A copy of `src` in a recycled buffer.

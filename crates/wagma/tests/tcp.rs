@@ -604,6 +604,46 @@ fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
 }
 
 #[test]
+fn ranks_that_disagree_on_frame_integrity_fail_to_start_naming_it() {
+    let cred = job_credentials("disagree");
+    let limit = Duration::from_secs(10);
+    let config = |rank: usize, rdv: &str, tags: bool| {
+        let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
+        c.connect_timeout = limit;
+        c.frame_integrity = tags;
+        c
+    };
+    let dir = TempDir::new("tcp-disagree");
+    let started = Instant::now();
+    let (rank0, _rx0, rdv) = rendezvous_in_thread(config(0, "", true), &dir);
+    let (tx1, _rx1) = crossbeam_channel::unbounded();
+    let e1 = wagma::transport::tcp::connect(&config(1, &rdv, false), tx1)
+        .err()
+        .expect("rank 1 frames otherwise than rank 0")
+        .to_string();
+    let e0 = rank0
+        .join()
+        .unwrap()
+        .err()
+        .expect("rank 0 frames otherwise than rank 1")
+        .to_string();
+    // At once, not at the connect timeout (which would name no setting).
+    assert!(started.elapsed() < limit, "{:?}", started.elapsed());
+    assert!(
+        e1.contains("rank 0 frames with integrity tags and rank 1 without"),
+        "{e1}"
+    );
+    assert!(
+        e0.contains("rank 1 at 127.0.0.1:")
+            && e0.contains("frames without integrity tags and rank 0 with"),
+        "{e0}"
+    );
+    for e in [&e0, &e1] {
+        assert!(e.contains(env::FRAME_INTEGRITY), "{e}");
+    }
+}
+
+#[test]
 fn a_peer_that_floods_the_inbox_is_reported_lost() {
     use wagma::transport::{MAX_QUEUED_PER_PEER, Transport};
     let (t0, rx0, mut t1) = two_ranks("flood", |_| {});
@@ -688,7 +728,7 @@ fn a_stalled_peer_delays_only_what_goes_to_it() {
     let stalled = stalled.expect("a peer that reads nothing cannot take frames forever");
     // Found by the queue (a write stalled for the timeout) or by the socket's own timeout.
     assert!(
-        stalled.contains("took no frame") || stalled.contains("writing a frame"),
+        stalled.contains("made no progress") || stalled.contains("writing a frame"),
         "{stalled}"
     );
     // Rank 2 still gets what rank 0 sends it.

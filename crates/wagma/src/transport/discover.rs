@@ -187,17 +187,29 @@ pub fn discover(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Discovere
     };
     d.rendezvous = get(env::RENDEZVOUS)
         .or_else(|| match (get("MASTER_ADDR"), get("MASTER_PORT")) {
-            (Some(a), Some(p)) => Some(format!("{a}:{p}")),
-            (Some(a), None) => Some(format!("{a}:{port}")),
+            (Some(a), Some(p)) => Some(host_port(&a, p.trim())),
+            (Some(a), None) => Some(host_port(&a, &port.to_string())),
             _ => None,
         })
         .or_else(|| {
             get("SLURM_STEP_NODELIST")
                 .or_else(|| get("SLURM_JOB_NODELIST"))
                 .and_then(|l| first_host(&l))
-                .map(|h| format!("{h}:{port}"))
+                .map(|h| host_port(&h, &port.to_string()))
         });
     Ok(Some(d))
+}
+
+/// `host:port`, with an IPv6 literal in brackets (`[fe80::1]:1234`), so that the port cannot
+/// be read as the address's last group. A host with a zone (`fe80::1%eth0`) is left bare:
+/// the resolver takes it so, and not in brackets.
+fn host_port(host: &str, port: &str) -> String {
+    let host = host.trim();
+    if host.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 #[cfg(test)]
@@ -279,6 +291,23 @@ mod tests {
         );
         assert!(discover(&env(&[("PMI_RANK", "4"), ("PMI_SIZE", "4")])).is_err());
         assert!(discover(&env(&[("PMI_RANK", "x"), ("PMI_SIZE", "4")])).is_err());
+    }
+
+    #[test]
+    fn an_ipv6_master_addr_is_bracketed() {
+        let rendezvous = |addr: &str, port: Option<&str>| {
+            let mut vars = vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", addr)];
+            vars.extend(port.map(|p| ("MASTER_PORT", p)));
+            discover(&env(&vars)).unwrap().unwrap().rendezvous.unwrap()
+        };
+        assert_eq!(rendezvous("fe80::1", Some("1234")), "[fe80::1]:1234");
+        assert_eq!(rendezvous("::1", None), format!("[::1]:{DEFAULT_PORT}"));
+        assert_eq!(rendezvous("[::1]", Some("1234")), "[::1]:1234");
+        assert_eq!(rendezvous("10.0.0.1", Some("1234")), "10.0.0.1:1234");
+        assert_eq!(rendezvous("node7", Some("1234")), "node7:1234");
+        // Each is one address the resolver reads without guessing where the port starts.
+        let parsed: std::net::SocketAddr = rendezvous("fe80::1", Some("1234")).parse().unwrap();
+        assert_eq!(parsed.port(), 1234);
     }
 
     #[test]

@@ -4,10 +4,13 @@
 //! payload), `u16 step`, `u32 from`, `u64 seq`, `u64 total_len`, `f64 weight`, `u64 aux`,
 //! `u32 n`, `n` contributions of `u32 rank, u64 steps`, then the payload: `f32` values, or for a
 //! virtual payload a `u64` length. A body larger than the configured maximum is refused before
-//! anything is allocated, and a payload is read in bounded chunks, so garbage on a port costs
-//! no more memory than the bytes actually sent. A virtual length is bounded like a payload (at
-//! most the maximum body in bytes), so it cannot overflow; the transports decide whether they
-//! carry virtual payloads at all (TCP does not, beyond the empty one of control messages).
+//! anything is allocated. A payload is received into a buffer the pool already holds, or else
+//! filled chunk by chunk as its bytes arrive (a payload of up to 256 MiB reserves its address
+//! space up front, which costs nothing until written), so a frame that announces much and sends
+//! little makes the reader touch no more new memory than the bytes actually sent. A virtual
+//! length is bounded like a payload (at most the maximum body in bytes), so it cannot overflow;
+//! the transports decide whether they carry virtual payloads at all (TCP does not, beyond the
+//! empty one of control messages).
 
 use std::io::{Read, Write};
 
@@ -21,7 +24,8 @@ const CONTRIBUTION_BYTES: usize = 12;
 const FLAG_VIRTUAL: u8 = 1;
 /// Largest chunk read at once into a payload.
 const CHUNK: usize = 1 << 22;
-/// Payloads up to this many bytes get their whole buffer reserved before reading.
+/// Payloads up to this many bytes get their whole buffer reserved (not touched) before
+/// reading, so that it never moves as it fills; larger ones grow as they arrive.
 const RESERVE_LIMIT: usize = 1 << 28;
 
 #[cfg(target_endian = "big")]
@@ -166,15 +170,22 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
             )));
         }
         let count = payload_bytes / 4;
-        // Receive into a recycled buffer unless the announced size is huge; then memory is
-        // touched only as bytes arrive.
-        let mut v: Vec<f32> = if payload_bytes <= RESERVE_LIMIT {
-            // Overwritten in full below (or dropped on error): no need to clear it.
-            let mut v = crate::payload::pool::take_scratch(count);
-            exact(r, bytemuck::cast_slice_mut(&mut v))?;
-            v
+        // The common case: a buffer of this size came back to the pool after an earlier
+        // round, and is received into whole; its values are overwritten in full (or it is
+        // dropped on error), so it need not be cleared. Otherwise memory is touched only as
+        // bytes arrive.
+        let pooled = if payload_bytes <= RESERVE_LIMIT {
+            crate::payload::pool::take_recycled(count)
         } else {
-            Vec::with_capacity(CHUNK / 4)
+            None
+        };
+        let mut v: Vec<f32> = match pooled {
+            Some(mut v) => {
+                exact(r, bytemuck::cast_slice_mut(&mut v))?;
+                v
+            }
+            None if payload_bytes <= RESERVE_LIMIT => Vec::with_capacity(count),
+            None => Vec::with_capacity(CHUNK / 4),
         };
         while v.len() < count {
             let at = v.len();
@@ -317,6 +328,29 @@ mod tests {
             read_frame(&mut buf.as_slice(), 1 << 20),
             Err(TransportError::FrameTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn a_payload_is_received_whole_with_or_without_a_recycled_buffer() {
+        // Lengths no other test uses, above the pool's minimum and more than one chunk long.
+        for len in [(CHUNK / 4) * 2 + 13, (CHUNK / 4) * 2 + 17] {
+            let values: Vec<f32> = (0..len).map(|i| i as f32).collect();
+            let env = sample(Payload::Data(values));
+            let mut buf = Vec::new();
+            write_frame(&mut buf, &env, u64::MAX).unwrap();
+            // Without a buffer of this size in the pool, then with one that holds garbage.
+            assert!(!crate::payload::pool::holds(len));
+            let back = read_frame(&mut buf.as_slice(), u64::MAX).unwrap().unwrap();
+            assert_eq!(back, env);
+            crate::payload::pool::give(vec![f32::NAN; len]);
+            let again = read_frame(&mut buf.as_slice(), u64::MAX).unwrap().unwrap();
+            assert_eq!(again, env);
+            // A frame cut short is an error, whichever way it was being received.
+            crate::payload::pool::give(vec![f32::NAN; len]);
+            let cut = &buf[..buf.len() - 5];
+            assert!(read_frame(&mut &cut[..], u64::MAX).is_err());
+            assert!(read_frame(&mut &cut[..], u64::MAX).is_err());
+        }
     }
 
     #[test]

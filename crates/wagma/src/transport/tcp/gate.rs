@@ -1,19 +1,28 @@
 //! The door of a listener: every caller is authenticated on a thread of its own within one
-//! deadline, at most [`MAX_PENDING`] at a time, so a silent, trickling or flooding caller holds
-//! up nobody else; a failed `accept` (descriptors exhausted, a caller that reset) is logged and
-//! retried, never fatal.
+//! deadline, so a silent or trickling caller holds up nobody else; a failed `accept`
+//! (descriptors exhausted, a caller that reset) is logged and retried, never fatal.
+//!
+//! Callers being authenticated are counted per source address: at most
+//! [`MAX_PENDING_PER_SOURCE`] from one address and [`MAX_PENDING`] in all, and a caller over
+//! either limit is closed at once (a real rank calls again). One source that floods the port
+//! with silent connections thus fills only its own share, and callers from every other address
+//! are still served; the share is generous because many ranks of one host call from the same
+//! address (all of a test's ranks from 127.0.0.1).
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::handshake::{self, Credentials, Deadlined, Session};
+use super::handshake::{self, Accepted, Deadlined, Session, Terms};
 use crate::Rank;
 use crate::error::TransportError;
 
-/// Most callers a listener authenticates at once; more are closed at once (and retry).
-pub(super) const MAX_PENDING: usize = 32;
+/// Most callers from one address a listener authenticates at once.
+pub(super) const MAX_PENDING_PER_SOURCE: usize = 32;
+/// Most callers a listener authenticates at once, from all addresses together.
+pub(super) const MAX_PENDING: usize = 1024;
 /// Longest a caller may take for its handshake and the message that follows it.
 pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -50,16 +59,19 @@ impl Drop for Gate {
 }
 
 /// Serves `listener` as rank `me` until the returned [`Gate`] is dropped or `keep_open` says
-/// no: each caller that proves the job's credentials is passed to `admit`, on its own thread.
+/// no: each caller that proves the job's credentials and agrees on the `terms` is passed to
+/// `admit`, on its own thread. One that proves the credentials but disagrees is refused and
+/// passed to `admit` as the error that names the difference (the owner decides whether that
+/// ends its work); any other failed caller is only logged, so that strangers cannot end it.
 /// A caller's deadline is [`HANDSHAKE_TIMEOUT`] from its arrival, and never later than `limit`.
 pub(super) fn open(
     listener: &TcpListener,
     me: Rank,
-    cred: Credentials,
+    terms: Terms,
     poll: Duration,
     limit: Option<Instant>,
     keep_open: impl Fn() -> bool + Send + 'static,
-    admit: impl Fn(Caller) + Send + Sync + 'static,
+    admit: impl Fn(Result<Caller, TransportError>) + Send + Sync + 'static,
 ) -> Result<Gate, TransportError> {
     let listener = listener
         .try_clone()
@@ -71,7 +83,7 @@ pub(super) fn open(
     let gate = Gate {
         open: Some(Arc::clone(&open)),
     };
-    let pending = Arc::new(AtomicUsize::new(0));
+    let pending = Arc::new(Pending::default());
     let admit = Arc::new(admit);
     std::thread::Builder::new()
         .name(format!("wagma-tcp-{me}-gate"))
@@ -79,26 +91,32 @@ pub(super) fn open(
             while open.load(Ordering::Acquire) && keep_open() {
                 match listener.accept() {
                     Ok((stream, addr)) => {
-                        if pending.load(Ordering::Acquire) >= MAX_PENDING {
+                        let Some(guard) = Pending::enter(&pending, addr.ip()) else {
                             tracing::warn!(rank = me, %addr, "too many callers at once: closed one");
                             continue;
-                        }
+                        };
                         let own = Instant::now() + HANDSHAKE_TIMEOUT;
                         let deadline = limit.map_or(own, |l| l.min(own));
-                        pending.fetch_add(1, Ordering::AcqRel);
-                        let guard = Pending(Arc::clone(&pending));
-                        let (cred, admit) = (cred.clone(), Arc::clone(&admit));
+                        let (terms, admit) = (terms.clone(), Arc::clone(&admit));
                         let spawned = std::thread::Builder::new()
                             .name(format!("wagma-tcp-{me}-caller"))
                             .spawn(move || {
                                 let _guard = guard;
-                                match authenticate(stream, me, &cred, deadline) {
-                                    Ok((session, stream)) => admit(Caller {
+                                match authenticate(stream, me, &terms, deadline) {
+                                    Ok((Accepted::Agreed(session), stream)) => admit(Ok(Caller {
                                         session,
                                         stream,
                                         addr,
                                         deadline,
-                                    }),
+                                    })),
+                                    Ok((Accepted::Disagrees(d), _)) => {
+                                        let e = TransportError::from(handshake::Disagreement {
+                                            at: Some(addr),
+                                            ..d
+                                        });
+                                        tracing::warn!(rank = me, %addr, error = %e, "refused a caller");
+                                        admit(Err(e));
+                                    }
                                     Err(e) => {
                                         tracing::warn!(rank = me, %addr, error = %e, "refused a caller");
                                     }
@@ -122,24 +140,211 @@ pub(super) fn open(
     Ok(gate)
 }
 
-/// Counts a caller being authenticated for as long as it lives.
-struct Pending(Arc<AtomicUsize>);
+/// Callers being authenticated: in all, and per source address.
+#[derive(Default)]
+struct Pending {
+    counts: Mutex<Counts>,
+}
 
-impl Drop for Pending {
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    by_source: HashMap<IpAddr, usize>,
+}
+
+impl Pending {
+    /// Counts a caller from `source` until the returned guard drops, unless its address or
+    /// the listener already has as many as it may.
+    fn enter(pending: &Arc<Pending>, source: IpAddr) -> Option<Entered> {
+        // An IPv4 caller of a dual-stack listener arrives as ::ffff:a.b.c.d; it is the same
+        // source as when it calls an IPv4 listener.
+        let source = source.to_canonical();
+        let mut c = pending.lock();
+        let mine = c.by_source.get(&source).copied().unwrap_or(0);
+        if c.total >= MAX_PENDING || mine >= MAX_PENDING_PER_SOURCE {
+            return None;
+        }
+        c.total += 1;
+        c.by_source.insert(source, mine + 1);
+        Some(Entered {
+            pending: Arc::clone(pending),
+            source,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
+        // The counts are updated in single steps that cannot panic halfway.
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One caller being authenticated, counted for as long as it lives.
+struct Entered {
+    pending: Arc<Pending>,
+    source: IpAddr,
+}
+
+impl Drop for Entered {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        let mut c = self.pending.lock();
+        c.total = c.total.saturating_sub(1);
+        if let Some(n) = c.by_source.get_mut(&self.source) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                // Only addresses with callers in progress are kept: the map stays small.
+                c.by_source.remove(&self.source);
+            }
+        }
     }
 }
 
 fn authenticate(
     stream: TcpStream,
     me: Rank,
-    cred: &Credentials,
+    terms: &Terms,
     deadline: Instant,
-) -> Result<(Session, TcpStream), TransportError> {
+) -> Result<(Accepted, TcpStream), TransportError> {
     let io = |e: std::io::Error| TransportError::io("configuring a socket", &e);
     stream.set_nonblocking(false).map_err(io)?;
     stream.set_nodelay(true).map_err(io)?;
-    let session = handshake::accept(&mut Deadlined::new(&stream, deadline), me, cred)?;
-    Ok((session, stream))
+    let accepted = handshake::accept(&mut Deadlined::new(&stream, deadline), me, terms)?;
+    Ok((accepted, stream))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use socket2::{Domain, Socket, Type};
+
+    use super::*;
+    use crate::transport::tcp::Credentials;
+
+    fn cred() -> Terms {
+        Terms {
+            credentials: Credentials {
+                job_id: "gate".into(),
+                secret: b"s3cret".to_vec(),
+            },
+            frame_integrity: false,
+        }
+    }
+
+    #[test]
+    fn each_source_has_its_own_share_of_the_pending_callers() {
+        let pending = Arc::new(Pending::default());
+        let a = IpAddr::from(Ipv4Addr::new(10, 0, 0, 1));
+        let b = IpAddr::from(Ipv4Addr::new(10, 0, 0, 2));
+        let mut from_a: Vec<Entered> = (0..MAX_PENDING_PER_SOURCE)
+            .map(|_| Pending::enter(&pending, a).unwrap())
+            .collect();
+        assert!(Pending::enter(&pending, a).is_none());
+        // The same address, as a dual-stack listener sees it, has no second share.
+        let mapped = IpAddr::from(Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped());
+        assert!(Pending::enter(&pending, mapped).is_none());
+        // Another address is served meanwhile.
+        let from_b = Pending::enter(&pending, b).unwrap();
+        // A caller that is done makes room for the next one from its address.
+        drop(from_a.pop());
+        assert!(Pending::enter(&pending, a).is_some());
+        drop((from_a, from_b));
+        // Many addresses together reach the overall limit.
+        let many: Vec<Entered> = (0..MAX_PENDING)
+            .map(|i| {
+                let [hi, lo] = u16::try_from(i).unwrap().to_be_bytes();
+                Pending::enter(&pending, Ipv4Addr::new(10, 1, hi, lo).into()).unwrap()
+            })
+            .collect();
+        assert!(Pending::enter(&pending, b).is_none());
+        drop(many);
+        let c = pending.lock();
+        assert_eq!((c.total, c.by_source.len()), (0, 0));
+    }
+
+    /// What a gate of rank 0 on loopback hands its owner: a caller's rank and address, or why
+    /// a proven caller could not be admitted.
+    type Admitted = crossbeam_channel::Receiver<Result<(Rank, SocketAddr), TransportError>>;
+
+    /// A gate of rank 0 on a loopback listener of its own, and its address.
+    fn gate_on_loopback() -> (TcpListener, SocketAddr, Gate, Admitted) {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let gate = open(
+            &listener,
+            0,
+            cred(),
+            Duration::from_millis(2),
+            None,
+            || true,
+            move |c: Result<Caller, TransportError>| {
+                let _ = tx.send(c.map(|c| (c.session.peer, c.addr)));
+            },
+        )
+        .unwrap();
+        (listener, addr, gate, rx)
+    }
+
+    #[test]
+    fn a_flood_from_one_address_does_not_shut_out_callers_from_another() {
+        let (_listener, addr, _gate, rx) = gate_on_loopback();
+        // As many silent callers from 127.0.0.2 as one address may have pending (all of
+        // 127.0.0.0/8 is loopback). They are queued before the real caller below, and the
+        // gate accepts in order: by the time it takes the real caller, these hold their whole
+        // share (each for its full handshake timeout).
+        let flood_from = SocketAddr::from((Ipv4Addr::new(127, 0, 0, 2), 0));
+        let silent: Vec<Socket> = (0..MAX_PENDING_PER_SOURCE)
+            .map(|_| {
+                let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+                s.bind(&flood_from.into()).unwrap();
+                s.connect_timeout(&addr.into(), Duration::from_secs(30))
+                    .unwrap();
+                s
+            })
+            .collect();
+        // One attempt, no calling again: a caller the gate closed fails here.
+        let caller = TcpStream::connect_timeout(&addr, Duration::from_secs(30)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let session = handshake::connect(&mut Deadlined::new(&caller, deadline), 3, &cred())
+            .expect("a caller from another address is served");
+        assert_eq!(session.peer, 0);
+        let (peer, from) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the gate admits the caller")
+            .expect("the caller is proven");
+        assert_eq!((peer, from.ip()), (3, IpAddr::from(Ipv4Addr::LOCALHOST)));
+        drop(silent);
+    }
+
+    #[test]
+    fn a_caller_that_disagrees_is_handed_to_the_owner_as_an_error_naming_it() {
+        let (_listener, addr, _gate, rx) = gate_on_loopback();
+        let caller = TcpStream::connect_timeout(&addr, Duration::from_secs(30)).unwrap();
+        let from = caller.local_addr().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let tagged = Terms {
+            frame_integrity: true,
+            ..cred()
+        };
+        let mine = handshake::connect(&mut Deadlined::new(&caller, deadline), 3, &tagged)
+            .expect_err("the ends disagree")
+            .to_string();
+        assert!(
+            mine.contains("rank 0 frames without integrity tags"),
+            "{mine}"
+        );
+        let theirs = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the gate reports the caller")
+            .expect_err("the caller disagrees")
+            .to_string();
+        assert!(
+            theirs.contains(&format!("rank 3 at {from} frames with integrity tags")),
+            "{theirs}"
+        );
+        assert!(
+            theirs.contains(super::super::env::FRAME_INTEGRITY),
+            "{theirs}"
+        );
+    }
 }

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use super::gate::{self, Caller};
 use super::handshake::Deadlined;
-use super::handshake::Session;
+use super::handshake::{Session, Terms};
 use super::rendezvous::{read_registration, send_refusal, send_table};
 use super::writer::Writer;
-use super::{Credentials, Link, TcpConfig, connect_to};
+use super::{Link, TcpConfig, connect_to};
 use crate::Rank;
 use crate::error::TransportError;
 
@@ -80,7 +80,7 @@ fn while_alive(adopted: &Arc<Adopted>) -> impl Fn() -> bool + Send + 'static {
 /// a rank whose connection this rank has lost may come back: a live rank cannot be replaced.
 pub(super) fn serve_peers(
     listener: &TcpListener,
-    cred: Credentials,
+    terms: Terms,
     ranks: usize,
     link: Link,
     adopted: &Arc<Adopted>,
@@ -90,11 +90,16 @@ pub(super) fn serve_peers(
     let gate = gate::open(
         listener,
         me,
-        cred,
+        terms,
         LISTEN_POLL,
         None,
         while_alive(adopted),
-        move |c: Caller| {
+        move |c: Result<Caller, TransportError>| {
+            // A joiner that disagrees on the terms was told so and logged by the gate; the
+            // running job goes on without it.
+            let Ok(c) = c else {
+                return;
+            };
             let peer = c.session.peer;
             if peer >= ranks || peer == me {
                 tracing::warn!(
@@ -137,7 +142,7 @@ pub(super) fn serve_peers(
 /// registers (checked against where its connection comes from).
 pub(super) fn serve_table(
     listener: &TcpListener,
-    cred: Credentials,
+    terms: Terms,
     table: Vec<SocketAddr>,
     link: Link,
     adopted: &Arc<Adopted>,
@@ -146,11 +151,15 @@ pub(super) fn serve_table(
     let gate = gate::open(
         listener,
         0,
-        cred,
+        terms,
         LISTEN_POLL,
         None,
         while_alive(adopted),
-        move |mut c: Caller| {
+        move |c: Result<Caller, TransportError>| {
+            // As for peers: a joiner that disagrees was told so, and the job goes on.
+            let Ok(mut c) = c else {
+                return;
+            };
             let peer = c.session.peer;
             let mut d = Deadlined::new(&c.stream, c.deadline);
             let reg = read_registration(&mut c.session, &mut d);

@@ -140,15 +140,23 @@ pub(super) fn serve(
     let _gate = gate::open(
         l,
         0,
-        cfg.credentials.clone(),
+        cfg.terms(),
         START_POLL,
         Some(deadline),
         || true,
-        move |mut c: Caller| {
+        move |c: Result<Caller, TransportError>| {
+            // A rank that disagrees on the terms can never join: the start-up ends at once.
+            let mut c = match c {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
             let reg = read_registration(&mut c.session, &mut Deadlined::new(&c.stream, c.deadline));
             match reg {
                 Ok(reg) => {
-                    let _ = tx.send((c, reg));
+                    let _ = tx.send(Ok((c, reg)));
                 }
                 Err(e) => {
                     tracing::warn!(peer = c.session.peer, error = %e, "a registration failed")
@@ -166,7 +174,7 @@ pub(super) fn serve(
                 conns.len(),
                 p - 1
             ))
-        })?;
+        })??;
         let peer = c.session.peer;
         let mut w = Deadlined::new(&c.stream, Instant::now() + HANDSHAKE_TIMEOUT);
         let refusal = if peer == 0 || peer >= p {
@@ -215,7 +223,13 @@ pub(super) fn register(
     deadline: Instant,
     rejoin: bool,
 ) -> Result<Vec<SocketAddr>, TransportError> {
-    let (mut session, st) = call(rdv, cfg.rank, &cfg.credentials, deadline)?;
+    // A refusal stays a handshake error; rank 0 never answering is the rendezvous failing.
+    let (mut session, st) = call(rdv, cfg.rank, &cfg.terms(), deadline).map_err(|e| match e {
+        TransportError::Io { .. } => {
+            TransportError::Rendezvous(format!("rank {}, reaching rank 0 at {rdv}: {e}", cfg.rank))
+        }
+        e => e,
+    })?;
     if session.peer != 0 {
         return Err(TransportError::Rendezvous(format!(
             "the rendezvous answered as rank {}",

@@ -34,8 +34,9 @@ pub(in crate::transport::tcp) struct Writer {
     socket: TcpStream,
     /// Why the thread stopped, once it has.
     failed: Arc<Mutex<Option<String>>>,
-    /// When the write in progress began (nanoseconds since `origin`, plus one); 0 when idle.
-    busy_since: Arc<AtomicU64>,
+    /// When the frame in progress began or last had bytes taken by the socket, whichever is
+    /// later (nanoseconds since `origin`, plus one); 0 when idle.
+    progress: Arc<AtomicU64>,
     origin: Instant,
     /// Closed by the thread when it ends.
     ended: Receiver<()>,
@@ -64,16 +65,21 @@ impl Writer {
         let failed = Arc::new(Mutex::new(None));
         let why = Arc::clone(&failed);
         let origin = Instant::now();
-        let busy_since = Arc::new(AtomicU64::new(0));
-        let busy = Arc::clone(&busy_since);
+        let progress = Arc::new(AtomicU64::new(0));
+        let busy = Arc::clone(&progress);
         std::thread::Builder::new()
             .name(format!("wagma-tcp-{me}->{peer}"))
             .spawn(move || {
                 let _end = end_tx;
-                let mut out = BufWriter::with_capacity(64 * 1024, st);
+                let socket = Progress {
+                    st,
+                    last: Arc::clone(&busy),
+                    origin,
+                };
+                let mut out = BufWriter::with_capacity(64 * 1024, socket);
                 for job in rx {
-                    let since = u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                    busy.store(since.saturating_add(1), Ordering::Release);
+                    // A frame's clock starts when it does, not when the last one ended.
+                    out.get_ref().mark();
                     let written = match job {
                         Job::Frame(env) => write_one(&mut out, &mut mac, &env, max_frame),
                         Job::Raw(bytes) => out
@@ -87,8 +93,8 @@ impl Writer {
                         // the half-written frame is not flushed again, and the peer's reader
                         // sees the connection end instead of waiting for the rest.
                         *why.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
-                        let (st, _) = out.into_parts();
-                        let _ = st.shutdown(std::net::Shutdown::Both);
+                        let (socket, _) = out.into_parts();
+                        let _ = socket.st.shutdown(std::net::Shutdown::Both);
                         return;
                     }
                 }
@@ -99,7 +105,7 @@ impl Writer {
             jobs: Some(tx),
             socket,
             failed,
-            busy_since,
+            progress,
             origin,
             ended,
             io_timeout,
@@ -108,8 +114,8 @@ impl Writer {
         })
     }
 
-    /// Queues `env` for the peer; fails when the connection failed or has taken nothing for a
-    /// whole write timeout.
+    /// Queues `env` for the peer; fails when the connection failed or its current frame has
+    /// made no progress for a whole I/O timeout.
     pub fn send(&self, env: Envelope) -> Result<(), TransportError> {
         // A frame too large is the caller's error, found before it is queued.
         crate::transport::frame::check_size(&env, self.max_frame)?;
@@ -125,13 +131,12 @@ impl Writer {
         let Some(jobs) = &self.jobs else {
             return Err(self.lost("the connection is closing".into()));
         };
-        let since = self.busy_since.load(Ordering::Acquire);
-        if since > 0 {
-            let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            let stalled = Duration::from_nanos(now.saturating_sub(since - 1));
+        let last = self.progress.load(Ordering::Acquire);
+        if last > 0 {
+            let stalled = Duration::from_nanos(stamp(self.origin).saturating_sub(last));
             if stalled >= self.io_timeout {
                 return Err(self.lost(format!(
-                    "the connection took no frame for {:.1} s",
+                    "the connection made no progress for {:.1} s",
                     stalled.as_secs_f64()
                 )));
             }
@@ -167,6 +172,22 @@ impl Writer {
     }
 }
 
+/// Lets every writer write what is queued, all at once, waiting at most the longest linger time
+/// from now (not one linger after another: a rank with many congested peers still exits in one
+/// linger time); their drops then only close the sockets.
+pub(in crate::transport::tcp) fn close_all<'a>(writers: impl IntoIterator<Item = &'a mut Writer>) {
+    let mut writers: Vec<&mut Writer> = writers.into_iter().collect();
+    for w in &mut writers {
+        drop(w.jobs.take());
+    }
+    let longest = writers.iter().map(|w| w.linger).max().unwrap_or_default();
+    let deadline = Instant::now() + longest;
+    for w in writers {
+        let _ = w.ended.recv_deadline(deadline);
+        w.linger = Duration::ZERO;
+    }
+}
+
 impl Drop for Writer {
     /// Writes what is queued, waiting at most the linger time, then closes the socket (which
     /// also ends a write still blocked).
@@ -177,8 +198,44 @@ impl Drop for Writer {
     }
 }
 
+/// Nanoseconds since `origin`, plus one (so that 0 can mean "idle").
+fn stamp(origin: Instant) -> u64 {
+    u64::try_from(origin.elapsed().as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_add(1)
+}
+
+/// The socket under a writer's buffer: notes the time of every write that takes bytes.
+struct Progress {
+    st: TcpStream,
+    last: Arc<AtomicU64>,
+    origin: Instant,
+}
+
+impl Progress {
+    fn mark(&self) {
+        self.last.store(stamp(self.origin), Ordering::Release);
+    }
+}
+
+impl Write for Progress {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self
+            .st
+            .write(&buf[..buf.len().min(super::WRITE_PIECE_BYTES)])?;
+        if n > 0 {
+            self.mark();
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.st.flush()
+    }
+}
+
 fn write_one(
-    out: &mut BufWriter<TcpStream>,
+    out: &mut BufWriter<Progress>,
     mac: &mut Option<FrameMac>,
     env: &Envelope,
     max_frame: u64,
@@ -203,6 +260,139 @@ mod tests {
     use super::*;
     use crate::payload::{Payload, pool};
     use crate::transport::message::{Kind, Meta, Tag};
+
+    fn envelope(seq: u64, data: Payload) -> Envelope {
+        Envelope {
+            from: 0,
+            tag: Tag {
+                kind: Kind::Round,
+                seq,
+                step: 0,
+            },
+            meta: Meta {
+                total_len: data.len() as u64,
+                ..Meta::default()
+            },
+            data,
+        }
+    }
+
+    #[test]
+    fn a_large_frame_on_a_slow_link_is_progress_not_a_stall() {
+        let io_timeout = Duration::from_secs(2);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        // Small socket buffers (the accepted socket inherits the listener's): the kernel holds
+        // a tiny part of the frame, so writing it takes as long as the peer takes to read it.
+        let buffers = 128 * 1024;
+        socket2::SockRef::from(&listener)
+            .set_recv_buffer_size(buffers)
+            .unwrap();
+        let to = listener.local_addr().unwrap();
+        let socket = TcpStream::connect_timeout(&to, Duration::from_secs(30)).unwrap();
+        socket2::SockRef::from(&socket)
+            .set_send_buffer_size(buffers)
+            .unwrap();
+        socket.set_write_timeout(Some(io_timeout)).unwrap();
+        let (mut peer, _) = listener.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let received = Arc::new(AtomicU64::new(0));
+        let hurry = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (received, hurry) = (Arc::clone(&received), Arc::clone(&hurry));
+            std::thread::spawn(move || -> std::io::Result<()> {
+                // 64 KiB every 5 ms (about 13 MB/s), steadily, until told to hurry: a piece
+                // of the frame (at most 4 MiB) goes out every third of a second.
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = peer.read(&mut buf)?;
+                    if n == 0 {
+                        return Ok(());
+                    }
+                    received.fetch_add(n as u64, Ordering::AcqRel);
+                    if !hurry.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+            })
+        };
+        let writer = Writer::spawn(0, 1, socket, None, io_timeout, u64::MAX).unwrap();
+        // 128 MiB: about ten seconds at the reader's pace, so it is still being written when
+        // the second frame is queued (the reader cannot have taken more than about 60 MiB).
+        let first = envelope(1, Payload::Data(vec![0.25; 32 << 20]));
+        let (second, third) = (
+            envelope(2, Payload::Data(vec![1.0; 4])),
+            envelope(3, Payload::Data(vec![2.0; 4])),
+        );
+        // Each frame on the wire: its length field and its body.
+        let total = [&first, &second, &third]
+            .iter()
+            .map(|e| 4 + e.wire_bytes() as u64)
+            .sum::<u64>();
+        writer.send(first).unwrap();
+        // Well past the I/O timeout since the first frame began, while it still progresses.
+        std::thread::sleep(2 * io_timeout + Duration::from_millis(500));
+        writer
+            .send(second)
+            .expect("a frame that still progresses is no stall");
+        hurry.store(true, Ordering::Release);
+        writer.send(third).unwrap();
+        // Everything arrives; the deadline only guards against a hang.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while received.load(Ordering::Acquire) < total && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(writer);
+        reader.join().unwrap().unwrap();
+        assert_eq!(received.load(Ordering::Acquire), total);
+    }
+
+    #[test]
+    fn writers_closed_together_wait_one_linger_time_not_one_each() {
+        // Four peers that read slowly but steadily, so every writer still has most of a frame
+        // to write when the rank leaves.
+        let linger = Duration::from_secs(2);
+        let mut writers = Vec::new();
+        let mut readers = Vec::new();
+        for peer_rank in 1..=4 {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            socket2::SockRef::from(&listener)
+                .set_recv_buffer_size(128 * 1024)
+                .unwrap();
+            let to = listener.local_addr().unwrap();
+            let socket = TcpStream::connect_timeout(&to, Duration::from_secs(30)).unwrap();
+            socket2::SockRef::from(&socket)
+                .set_send_buffer_size(128 * 1024)
+                .unwrap();
+            socket.set_write_timeout(Some(linger)).unwrap();
+            let (mut peer, _) = listener.accept().unwrap();
+            readers.push(std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                while matches!(peer.read(&mut buf), Ok(n) if n > 0) {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }));
+            let w = Writer::spawn(0, peer_rank, socket, None, linger, u64::MAX).unwrap();
+            // 32 MiB: about 25 s at the reader's pace.
+            w.send(envelope(1, Payload::Data(vec![0.5; 8 << 20])))
+                .unwrap();
+            writers.push(w);
+        }
+        let t0 = Instant::now();
+        close_all(writers.iter_mut());
+        drop(writers);
+        let took = t0.elapsed();
+        // One linger after another would take four.
+        assert!(
+            took < 3 * linger,
+            "closing four writers took {:.1} s with a linger of {:.1} s",
+            took.as_secs_f64(),
+            linger.as_secs_f64()
+        );
+        for r in readers {
+            r.join().unwrap();
+        }
+    }
 
     #[test]
     fn a_sent_buffer_that_only_the_writer_still_holds_goes_back_to_the_pool() {
