@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 fn bench_collectives_runs_next_to_mpi_allreduce() {
     // Started by the user's mpirun (rank 0 reports), and by wagma itself (it runs mpirun and
     // collects rank 0's result).
-    for cmd in [mpirun(4), wagma()] {
+    let mut own = wagma();
+    // The mpirun that wagma starts inherits the limit.
+    own.env("MPIEXEC_TIMEOUT", "600");
+    for cmd in [mpirun(4), own] {
         let rows = bench_collectives_rows(cmd, "mpi", 4);
         // Our seven collectives, then MPI_Allreduce on the world and on a group communicator.
         assert_eq!(rows.len(), 9, "{rows:?}");
@@ -42,10 +45,49 @@ fn find_rank(marker: &Path, rank: usize) -> Option<i32> {
     None
 }
 
+/// An `mpirun` job that a failed assertion does not leave training: dropping it asks mpirun to
+/// stop its ranks (SIGTERM, which it forwards), then kills it.
+struct Job(Option<Child>);
+
+impl Job {
+    fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("the job is running")
+    }
+
+    fn wait_with_output(mut self) -> std::process::Output {
+        self.0
+            .take()
+            .expect("the job is running")
+            .wait_with_output()
+            .unwrap()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let Some(c) = &mut self.0 else { return };
+        if let Ok(pid) = i32::try_from(c.id()) {
+            // SAFETY: kill(2) on this test's own child has no memory effects here.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if c.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 fn kill_one(rep: u64) -> (bool, bool, Duration) {
     let out = tmp(&format!("kill-{rep}"));
     let victim = 1 + (rep as usize % 3);
-    let mut job: Child = mpirun(4)
+    let child: Child = mpirun(4)
         .args([
             "train",
             "--transport",
@@ -67,6 +109,7 @@ fn kill_one(rep: u64) -> (bool, bool, Duration) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut job = Job(Some(child));
     let t0 = Instant::now();
     let started = loop {
         let evaluated =
@@ -86,7 +129,7 @@ fn kill_one(rep: u64) -> (bool, bool, Duration) {
     let killed = Instant::now();
     let mut stopped = false;
     while killed.elapsed() < Duration::from_secs(5 + 30) {
-        if job.try_wait().unwrap().is_some() {
+        if job.child().try_wait().unwrap().is_some() {
             stopped = true;
             break;
         }
@@ -94,9 +137,9 @@ fn kill_one(rep: u64) -> (bool, bool, Duration) {
     }
     let took = killed.elapsed();
     if !stopped {
-        let _ = job.kill();
+        let _ = job.child().kill();
     }
-    let o = job.wait_with_output().unwrap();
+    let o = job.wait_with_output();
     let all = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),

@@ -46,8 +46,9 @@ impl Trace {
             return Err(err("holds no steps".into()));
         }
         lines.sort_by_key(|l| (l.rank, l.step));
-        let ranks = lines.iter().map(|l| l.rank).max().unwrap_or(0) + 1;
-        let mut times = vec![Vec::new(); ranks];
+        // Grouped by the ranks that occur, so that a huge rank number costs no memory.
+        let mut times: Vec<Vec<f64>> = Vec::new();
+        let mut last: Option<(usize, u64)> = None;
         for l in lines {
             if !(l.seconds.is_finite() && l.seconds >= 0.0) {
                 return Err(err(format!(
@@ -55,10 +56,26 @@ impl Trace {
                     l.rank, l.step, l.seconds
                 )));
             }
-            times[l.rank].push(l.seconds);
-        }
-        if times.iter().any(Vec::is_empty) {
-            return Err(err("some ranks have no steps".into()));
+            if last == Some((l.rank, l.step)) {
+                // Two runs appended to one file: replaying either would shift the other.
+                return Err(err(format!(
+                    "rank {} step {} is recorded twice (a file appended by more than one run?)",
+                    l.rank, l.step
+                )));
+            }
+            if last.is_none_or(|(r, _)| r != l.rank) {
+                if l.rank != times.len() {
+                    return Err(err(format!(
+                        "rank {} has no steps (the ranks must be 0 to R-1)",
+                        times.len()
+                    )));
+                }
+                times.push(Vec::new());
+            }
+            if let Some(row) = times.last_mut() {
+                row.push(l.seconds);
+            }
+            last = Some((l.rank, l.step));
         }
         Ok(Trace { times })
     }
@@ -93,5 +110,49 @@ impl Compute {
             Compute::Profile(im) => im.table(steps, ranks),
             Compute::Trace(_) => (0..steps).map(|s| self.step_times(s, ranks)).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Trace, SimError> {
+        let path = std::env::temp_dir().join(format!(
+            "wagma-trace-{}-{}.jsonl",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::write(&path, text).unwrap();
+        let t = Trace::load(&path);
+        std::fs::remove_file(&path).unwrap();
+        t
+    }
+
+    fn line(rank: u64, step: u64, seconds: f64) -> String {
+        format!("{{\"rank\":{rank},\"step\":{step},\"seconds\":{seconds}}}\n")
+    }
+
+    #[test]
+    fn steps_are_replayed_per_rank_in_step_order() {
+        let t = load(&(line(1, 1, 0.4) + &line(0, 0, 0.1) + &line(1, 0, 0.3) + &line(0, 1, 0.2)))
+            .unwrap();
+        assert_eq!(t.times, vec![vec![0.1, 0.2], vec![0.3, 0.4]]);
+    }
+
+    #[test]
+    fn a_trace_with_a_missing_rank_a_huge_rank_or_a_repeated_step_is_refused() {
+        let gap = line(0, 0, 0.1) + &line(2, 0, 0.1);
+        assert!(
+            matches!(load(&gap), Err(SimError::File { message, .. }) if message.contains("rank 1 has no steps"))
+        );
+        let huge = line(0, 0, 0.1) + &line(u64::MAX, 0, 0.1);
+        assert!(
+            matches!(load(&huge), Err(SimError::File { message, .. }) if message.contains("rank 1 has no steps"))
+        );
+        let twice = line(0, 0, 0.1) + &line(0, 1, 0.2) + &line(0, 0, 0.1);
+        assert!(
+            matches!(load(&twice), Err(SimError::File { message, .. }) if message.contains("recorded twice"))
+        );
     }
 }

@@ -36,11 +36,10 @@ pub enum SimError {
     },
 }
 
-/// Engine settings in virtual time: a hang shows as a deadlock long before any timeout, so
-/// the timeout is effectively off.
+/// Engine settings in virtual time, with the timeout off.
 pub(crate) fn virtual_engine() -> wagma::EngineConfig {
     wagma::EngineConfig {
-        timeout: std::time::Duration::from_secs(1 << 40),
+        timeout: wagma::exec::virtual_time::TIMEOUT_OFF,
         ..wagma::EngineConfig::default()
     }
 }

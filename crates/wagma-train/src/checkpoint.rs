@@ -507,38 +507,55 @@ pub fn read_rank(ckpt: &Path, meta: &Meta, rank: usize) -> Result<RankState, Tra
     Ok(s)
 }
 
-/// Checks that a checkpoint fits this run: same workload, model and ranks.
-pub fn check_compatible(
-    meta: &Meta,
-    workload: &str,
-    layout: &Layout,
-    ranks: usize,
-    ckpt: &Path,
-) -> Result<(), TrainError> {
-    if meta.workload != workload {
-        return Err(TrainError::checkpoint(
-            ckpt,
-            format!(
-                "is of the {} workload, this run trains {workload}",
-                meta.workload
-            ),
+/// What a checkpoint must match to be resumed by a run.
+#[derive(Debug, Clone, Copy)]
+pub struct Identity<'a> {
+    /// Workload name.
+    pub workload: &'a str,
+    /// Model layout.
+    pub layout: &'a Layout,
+    /// Algorithm label (with its options).
+    pub algorithm: &'a str,
+    /// Ranks.
+    pub ranks: usize,
+    /// Seed: the data shards and samplers are drawn from it, so another seed would continue
+    /// with other data than the run it resumes.
+    pub seed: u64,
+}
+
+/// Checks that a checkpoint fits this run: same workload, model, algorithm, ranks and seed.
+pub fn check_compatible(meta: &Meta, run: &Identity<'_>, ckpt: &Path) -> Result<(), TrainError> {
+    let refuse = |why: String| Err(TrainError::checkpoint(ckpt, why));
+    if meta.workload != run.workload {
+        return refuse(format!(
+            "is of the {} workload, this run trains {}",
+            meta.workload, run.workload
         ));
     }
-    if &meta.layout != layout {
-        let (a, b) = (meta.layout.params(), layout.params());
-        return Err(TrainError::checkpoint(
-            ckpt,
-            format!(
-                "holds another model ({a} parameters in {} tensors; this model has {b} in {})",
-                meta.layout.tensors.len(),
-                layout.tensors.len()
-            ),
+    if &meta.layout != run.layout {
+        let (a, b) = (meta.layout.params(), run.layout.params());
+        return refuse(format!(
+            "holds another model ({a} parameters in {} tensors; this model has {b} in {})",
+            meta.layout.tensors.len(),
+            run.layout.tensors.len()
         ));
     }
-    if meta.ranks != ranks {
-        return Err(TrainError::checkpoint(
-            ckpt,
-            format!("was taken with {} ranks, this run has {ranks}", meta.ranks),
+    if meta.algorithm != run.algorithm {
+        return refuse(format!(
+            "was taken by {}, this run trains with {}",
+            meta.algorithm, run.algorithm
+        ));
+    }
+    if meta.ranks != run.ranks {
+        return refuse(format!(
+            "was taken with {} ranks, this run has {}",
+            meta.ranks, run.ranks
+        ));
+    }
+    if meta.seed != run.seed {
+        return refuse(format!(
+            "was taken with seed {}, this run has seed {}",
+            meta.seed, run.seed
         ));
     }
     Ok(())
@@ -769,14 +786,48 @@ mod tests {
         std::fs::write(d.join(LATEST), "ckpt-0000000005\n").unwrap();
         assert!(locate(&d).is_err());
         let other = Layout { tensors: vec![] };
-        assert!(
-            check_compatible(&m, "image", &other, 2, &c)
-                .unwrap_err()
-                .to_string()
-                .contains("another model")
-        );
-        assert!(check_compatible(&m, "translate", &m.layout, 2, &c).is_err());
-        assert!(check_compatible(&m, "image", &m.layout, 4, &c).is_err());
+        let same = Identity {
+            workload: "image",
+            layout: &m.layout,
+            algorithm: &m.algorithm,
+            ranks: 2,
+            seed: m.seed,
+        };
+        assert!(check_compatible(&m, &same, &c).is_ok());
+        for (run, why) in [
+            (
+                Identity {
+                    layout: &other,
+                    ..same
+                },
+                "another model",
+            ),
+            (
+                Identity {
+                    workload: "translate",
+                    ..same
+                },
+                "workload",
+            ),
+            (
+                Identity {
+                    algorithm: "sgp",
+                    ..same
+                },
+                "trains with sgp",
+            ),
+            (Identity { ranks: 4, ..same }, "4"),
+            (
+                Identity {
+                    seed: m.seed + 1,
+                    ..same
+                },
+                "seed",
+            ),
+        ] {
+            let e = check_compatible(&m, &run, &c).unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
         assert!(locate(&d.join("nothing")).is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }

@@ -207,6 +207,15 @@ impl TrainConfig {
         done.is_multiple_of(self.eval_every.max(1)) || done == self.steps
     }
 
+    /// True when a restarted process may rejoin this job: an elastic WAGMA-SGD run over TCP,
+    /// whose global averages are where the living ranks admit it. Other runs never pay for
+    /// the admission vote.
+    pub fn admits_rejoins(&self) -> bool {
+        self.elastic
+            && self.execution == Execution::Tcp
+            && matches!(self.algo.algorithm, Algorithm::Wagma(_))
+    }
+
     /// Checks what can be checked before anything runs.
     pub fn validate(&self) -> Result<(), TrainError> {
         if self.ranks == 0 {
@@ -253,24 +262,21 @@ impl TrainConfig {
                 "elastic continuation needs the canonical ad-psgd, not its gossip loop".into(),
             ));
         }
-        if self.rejoin {
-            if !self.elastic || self.execution != Execution::Tcp {
-                return Err(TrainError::Config(
-                    "rejoining needs elastic continuation over the tcp transport".into(),
-                ));
-            }
-            if !matches!(self.algo.algorithm, Algorithm::Wagma(_)) || self.resume.is_some() {
-                return Err(TrainError::Config(
-                    "only a WAGMA-SGD run that does not resume from a checkpoint can be rejoined"
-                        .into(),
-                ));
-            }
+        if self.rejoin && (!self.admits_rejoins() || self.resume.is_some()) {
+            return Err(TrainError::Config(
+                "only an elastic WAGMA-SGD run over the tcp transport that does not resume from \
+                 a checkpoint can be rejoined"
+                    .into(),
+            ));
         }
         if let Some(o) = &self.optimizer {
             o.validate()?;
         }
         if let Some(im) = &self.imbalance {
             im.validate()?;
+        }
+        if let Some(n) = &self.network {
+            n.validate().map_err(TrainError::Config)?;
         }
         Ok(())
     }
@@ -369,6 +375,17 @@ mod tests {
             gossip.validate(),
             Err(TrainError::Config(m)) if m.contains("gossip")
         ));
+    }
+
+    #[test]
+    fn a_network_with_a_negative_latency_is_refused_before_anything_runs() {
+        let mut network = wagma_sim::LogGp::aries();
+        network.latency_s = -1.0;
+        let c = TrainConfig {
+            network: Some(network),
+            ..TrainConfig::default()
+        };
+        assert!(matches!(c.validate(), Err(TrainError::Config(m)) if m.contains("latency")));
     }
 
     #[test]

@@ -47,7 +47,8 @@ use crate::flat::{Path, layout, read_into, write_values};
 ///         model = opt.step(1e-3, model, grads).await?;
 ///     }
 ///     Ok(())
-/// })?;
+/// })?
+/// .into_all()?; // a rank's error, if any rank failed
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct DistributedOptimizer<'c> {

@@ -32,6 +32,12 @@ pub enum TrainError {
     /// A setting that cannot work.
     #[error("invalid setting: {0}")]
     Config(String),
+    /// A peer sent what the protocol does not allow (a malformed welcome of a rejoin).
+    #[error("a peer broke the protocol: {0}")]
+    Peer(String),
+    /// A failure inside this process that no setting explains (a worker thread that panicked).
+    #[error("internal failure: {0}")]
+    Internal(String),
     /// The distributed engine failed.
     #[error(transparent)]
     Engine(#[from] wagma::Error),

@@ -161,6 +161,15 @@ pub(crate) fn secs_to_ns(s: f64) -> u64 {
     (s.max(0.0) * 1e9).round() as u64
 }
 
+/// A replica's squared distance from the consensus.
+fn squared_distance(replica: &[f32], consensus: &[f32]) -> f64 {
+    replica
+        .iter()
+        .zip(consensus)
+        .map(|(&a, &b)| f64::from(a - b).powi(2))
+        .sum()
+}
+
 /// The latest of the ranks' clocks in seconds; zeros (ranks with nothing to report) are absent.
 pub(crate) fn latest_s(clocks: impl IntoIterator<Item = u64>) -> f64 {
     clocks.into_iter().max().unwrap_or(0) as f64 * 1e-9
@@ -235,13 +244,7 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
         }
         let buffers = sum.split_off(n);
         let params = sum;
-        let distance = mine.map_or(0.0, |x| {
-            x.params
-                .iter()
-                .zip(&params)
-                .map(|(&a, &b)| f64::from(a - b).powi(2))
-                .sum::<f64>()
-        });
+        let distance = mine.map_or(0.0, |x| squared_distance(&x.params, &params));
         let mut stats = eval_with(fm, s.w, &params, &buffers, shard, living.len());
         let k = stats.len();
         if s.cfg.eval_replica {
@@ -368,12 +371,7 @@ pub(crate) fn evaluate_in_process<W: Workload>(
             }
             rest[0] += x.losses.sum;
             rest[1] += x.losses.steps as f64;
-            rest[2] += x
-                .params
-                .iter()
-                .zip(&params)
-                .map(|(&a, &b)| f64::from(a - b).powi(2))
-                .sum::<f64>();
+            rest[2] += squared_distance(&x.params, &params);
         }
         let point = Point {
             iteration: t,
@@ -451,7 +449,7 @@ fn evaluate_models<W: Workload>(
         for h in workers {
             let done = h
                 .join()
-                .map_err(|_| TrainError::Config("an evaluation thread panicked".into()))?;
+                .map_err(|_| TrainError::Internal("an evaluation thread panicked".into()))?;
             for (i, r) in done {
                 results[i] = r;
             }

@@ -61,7 +61,7 @@ impl<R> Pending<R> {
     pub(crate) fn wait(self) -> Result<R, TrainError> {
         self.0
             .recv()
-            .map_err(|_| TrainError::Config("a local step panicked on a worker thread".into()))
+            .map_err(|_| TrainError::Internal("a local step panicked on a worker thread".into()))
     }
 }
 

@@ -139,7 +139,7 @@ pub fn initial_model<W: Workload>(w: &W, seed: u64) -> Initial {
 fn append_trace(path: &Path, lines: &[TraceLine]) -> Result<(), TrainError> {
     let mut text = String::new();
     for l in lines {
-        text.push_str(&serde_json::to_string(l).map_err(|e| TrainError::Config(e.to_string()))?);
+        text.push_str(&serde_json::to_string(l).map_err(|e| TrainError::Internal(e.to_string()))?);
         text.push('\n');
     }
     let mut f = std::fs::OpenOptions::new()
@@ -197,21 +197,24 @@ impl Outputs {
     }
 
     fn progress(&self, line: &ProgressLine) -> Result<(), TrainError> {
-        let mut g = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = g.as_mut() {
-            let text =
-                serde_json::to_string(line).map_err(|e| TrainError::Config(e.to_string()))?;
-            writeln!(f, "{text}").map_err(|e| TrainError::io(&self.dir, e))?;
-            f.flush().map_err(|e| TrainError::io(&self.dir, e))?;
-        }
-        Ok(())
+        self.append(&self.progress, line)
     }
 
     fn record(&self, r: &EvalRecord) -> Result<(), TrainError> {
-        let mut g = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        self.append(&self.metrics, r)
+    }
+
+    /// Appends `value` as one JSON line to `file`, flushed (readers follow the file live).
+    fn append(
+        &self,
+        file: &Mutex<Option<std::fs::File>>,
+        value: &impl Serialize,
+    ) -> Result<(), TrainError> {
+        let mut g = file.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = g.as_mut() {
-            let line = serde_json::to_string(r).map_err(|e| TrainError::Config(e.to_string()))?;
-            writeln!(f, "{line}").map_err(|e| TrainError::io(&self.dir, e))?;
+            let text =
+                serde_json::to_string(value).map_err(|e| TrainError::Internal(e.to_string()))?;
+            writeln!(f, "{text}").map_err(|e| TrainError::io(&self.dir, e))?;
             f.flush().map_err(|e| TrainError::io(&self.dir, e))?;
         }
         Ok(())
@@ -247,7 +250,7 @@ impl Outputs {
         let s = self.dir.join("summary.json");
         let tmp = self.dir.join("summary.json.partial");
         let json =
-            serde_json::to_vec_pretty(summary).map_err(|e| TrainError::Config(e.to_string()))?;
+            serde_json::to_vec_pretty(summary).map_err(|e| TrainError::Internal(e.to_string()))?;
         std::fs::write(&tmp, json).map_err(|e| TrainError::io(&tmp, e))?;
         std::fs::rename(&tmp, &s).map_err(|e| TrainError::io(&s, e))
     }
@@ -312,7 +315,10 @@ impl ComputeTimes {
 fn compute_times(cfg: &TrainConfig) -> Result<Option<ComputeTimes>, TrainError> {
     let model = match (&cfg.compute_trace, &cfg.imbalance) {
         (Some(path), _) if cfg.execution == Execution::Virtual => {
-            Compute::Trace(Trace::load(path).map_err(|e| TrainError::Config(e.to_string()))?)
+            Compute::Trace(Trace::load(path).map_err(|e| match e {
+                wagma_sim::SimError::File { message, .. } => TrainError::data(path, message),
+                other => TrainError::data(path, other.to_string()),
+            })?)
         }
         (Some(_), _) => {
             return Err(TrainError::Config(
@@ -375,9 +381,8 @@ pub fn run<W: Workload>(
     let init = initial_model(w, cfg.seed);
     let real_t0 = std::time::Instant::now();
     let engine = EngineConfig {
-        // In virtual time a hang shows as a deadlock, never as a timeout.
         timeout: if cfg.execution == Execution::Virtual {
-            Duration::from_secs(1 << 40)
+            wagma::exec::virtual_time::TIMEOUT_OFF
         } else {
             cfg.timeout
         },
@@ -393,7 +398,7 @@ pub fn run<W: Workload>(
         Execution::Tcp => {
             let mut tcp = TcpConfig::from_env()?;
             tcp.rejoin = cfg.rejoin;
-            tcp.accept_rejoins = cfg.elastic;
+            tcp.accept_rejoins = cfg.admits_rejoins();
             tcp.allow_empty_secret |= cfg.allow_empty_secret;
             // A write blocked longer than the job's timeout would silence this rank's
             // heartbeats past the point where its peers give up on it.
@@ -413,7 +418,14 @@ pub fn run<W: Workload>(
         Some(p) => {
             let ckpt = checkpoint::locate(p)?;
             let meta = checkpoint::read_meta(&ckpt)?;
-            checkpoint::check_compatible(&meta, w.name(), &init.layout, ranks, &ckpt)?;
+            let run = checkpoint::Identity {
+                workload: w.name(),
+                layout: &init.layout,
+                algorithm: &cfg.algo.label(),
+                ranks,
+                seed: cfg.seed,
+            };
+            checkpoint::check_compatible(&meta, &run, &ckpt)?;
             if !cfg.algo.is_clean_point(meta.iteration) {
                 return Err(TrainError::checkpoint(
                     &ckpt,
@@ -809,7 +821,7 @@ async fn run_rank<'s, W: Workload>(
         if out_of_budget {
             break;
         }
-        if cfg.elastic && cfg.algo.is_clean_point(done) && done < cfg.steps {
+        if cfg.admits_rejoins() && cfg.algo.is_clean_point(done) && done < cfg.steps {
             let now = clock(worker.comm(), excluded);
             if let Some(n) = admit_joiners(&mut worker, done, samples, now).await? {
                 alive = n;
@@ -885,13 +897,13 @@ async fn rejoin(
     let (np, nb) = (init.params.len(), init.buffers.len());
     let state = state.into_vec();
     let &[iteration, samples, train_s, alive] = info.as_slice() else {
-        return Err(TrainError::Config(format!(
+        return Err(TrainError::Peer(format!(
             "the welcome carries {} values instead of 4",
             info.len()
         )));
     };
     if state.len() < np + nb {
-        return Err(TrainError::Config(format!(
+        return Err(TrainError::Peer(format!(
             "the welcome carries {} values for a model of {}",
             state.len(),
             np + nb

@@ -189,7 +189,6 @@ fn blocking_wagma_matches_a_hand_written_adam_then_group_average() {
             fm.set_params(&mean);
             models[r] = fm.model().clone();
         }
-        let _ = t;
     }
     for r in 0..p {
         let want = params(&models[r]);
@@ -373,6 +372,7 @@ fn tcp_job(role: &str) -> Vec<(Option<i32>, String)> {
         cmd.spawn().unwrap()
     };
     let mut children = vec![spawn(0, "127.0.0.1:0", Some(&file))];
+    let t0 = std::time::Instant::now();
     let rdv = loop {
         if let Some(a) = wagma::transport::tcp::read_rendezvous(&file) {
             break a;
@@ -381,6 +381,10 @@ fn tcp_job(role: &str) -> Vec<(Option<i32>, String)> {
             children[0].try_wait().unwrap().is_none(),
             "rank 0 exited early"
         );
+        if t0.elapsed() > std::time::Duration::from_secs(120) {
+            let _ = children[0].kill();
+            panic!("rank 0 published no rendezvous address in 120 s");
+        }
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
     children.extend((1..3).map(|r| spawn(r, &rdv, None)));

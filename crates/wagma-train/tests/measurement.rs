@@ -151,6 +151,41 @@ fn evaluation_leaves_the_run_unchanged() {
 }
 
 #[test]
+fn an_elastic_run_without_failures_is_the_run_without_elasticity() {
+    // Only the global averages of an elastic WAGMA-SGD job over TCP admit restarted ranks;
+    // elsewhere elasticity must not add a single collective to the training path. (The
+    // methods with collectives over all ranks are left out: elastic ones run as exchanges
+    // that survive a loss, which sum in another order.)
+    for algo in ["ad-psgd", "d-psgd", "sgp"] {
+        let plain = out(&format!("inelastic-{algo}"));
+        let elastic = out(&format!("elastic-{algo}"));
+        let mut c = config(algo, 4, 8, 8, &plain);
+        c.imbalance = at_paper_scale(Profile::PaperResnet, 5);
+        let a = run(&c);
+        c.elastic = true;
+        c.out = elastic.clone();
+        let b = run(&c);
+        assert!(
+            std::fs::read(plain.join(FINAL_MODEL)).unwrap()
+                == std::fs::read(elastic.join(FINAL_MODEL)).unwrap(),
+            "{algo}: elasticity changed the final model"
+        );
+        // Elastic collectives over all ranks run as exchanges that survive a loss, so the
+        // start-up's costs a few microseconds more; a collective per step would cost the
+        // stragglers' 320 ms.
+        assert!(
+            (a.wall_s - b.wall_s).abs() < 1e-3,
+            "{algo}: {} s against {} s",
+            a.wall_s,
+            b.wall_s
+        );
+        assert_eq!(a.final_metrics, b.final_metrics, "{algo}");
+        std::fs::remove_dir_all(&plain).unwrap();
+        std::fs::remove_dir_all(&elastic).unwrap();
+    }
+}
+
+#[test]
 fn no_algorithm_beats_the_no_wait_ideal_of_its_compute_draws() {
     for algo in Algorithm::NAMES {
         let dir = out(&format!("ideal-{algo}"));

@@ -69,7 +69,9 @@ pub fn mpirun(n: usize) -> std::process::Command {
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
         .env("OMPI_MCA_btl_tcp_if_include", "lo")
-        .env("OMPI_MCA_oob_tcp_if_include", "lo");
+        .env("OMPI_MCA_oob_tcp_if_include", "lo")
+        // A hung job fails its test instead of holding the machine.
+        .env("MPIEXEC_TIMEOUT", "600");
     cmd
 }
 
