@@ -10,8 +10,8 @@ use comfy_table::Table;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use wagma::algo::{
-    Algorithm, CombineRule, EagerMode, LateGradients, LrSchedule, OptimizerConfig, OptimizerKind,
-    Order, SendOrder, WagmaOptions,
+    Algorithm, CombineRule, LateGradients, LrSchedule, OptimizerConfig, OptimizerKind, Order,
+    SendOrder, WagmaOptions,
 };
 use wagma::exec::launch::TransportChoice;
 use wagma::imbalance::{Imbalance, Profile};
@@ -25,7 +25,8 @@ use wagma_train::workloads::translate::TranslateWorkload;
 use wagma_train::{Execution, Summary, TrainConfig, WorkloadKind};
 
 /// Options of `wagma train`. Every option can also be set in the `--config` TOML file (same
-/// names); the command line wins.
+/// names); the command line wins, also over the file's alternative to an option it sets
+/// (`--steps` over the file's `epochs` and the reverse; `--data` and `--dataset` likewise).
 #[derive(ClapArgs, Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct Args {
@@ -98,16 +99,17 @@ pub struct Args {
     /// Seed.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Iterations.
+    /// Iterations (default: 600 for image, 1500 for translate, 3000 for navigate).
     #[arg(long, conflicts_with = "epochs")]
     pub steps: Option<u64>,
     /// Stop at the first evaluation after this many seconds of training.
     #[arg(long)]
     pub budget_seconds: Option<f64>,
-    /// Epochs over the training data (image and translate).
+    /// Epochs over the training data (image and translate), converted to iterations once the
+    /// data is loaded, before the schedule and the evaluation points are set.
     #[arg(long)]
     pub epochs: Option<f64>,
-    /// Evaluate every N iterations.
+    /// Evaluate every N iterations (default: a sixth of the iterations).
     #[arg(long)]
     pub eval_every: Option<u64>,
     /// Samples (sentences; episodes for navigate) per local step.
@@ -233,6 +235,10 @@ pub struct Args {
     pub quiet: Option<bool>,
 }
 
+/// Options that exclude each other. The file and the command line may each set one of a pair:
+/// the command line's then replaces the file's (clap only sees the command line).
+const ALTERNATIVES: [(&str, &str); 2] = [("steps", "epochs"), ("data", "dataset")];
+
 impl Args {
     /// Flags over the file's values.
     fn merged(self) -> anyhow::Result<Args> {
@@ -247,6 +253,15 @@ impl Args {
         if let (Some(m), serde_json::Value::Object(flags)) =
             (merged.as_object_mut(), serde_json::to_value(&self)?)
         {
+            let given = |k: &str| flags.get(k).is_some_and(|v| !v.is_null());
+            for (x, y) in ALTERNATIVES {
+                if given(x) {
+                    m.remove(y);
+                }
+                if given(y) {
+                    m.remove(x);
+                }
+            }
             for (k, v) in flags {
                 if !v.is_null() {
                     m.insert(k, v);
@@ -333,10 +348,7 @@ fn optimizer(
         set_peak(&mut opt.lr, lr);
     }
     let peak = peak(&opt.lr);
-    let warmup = a.warmup.unwrap_or(match &opt.lr {
-        LrSchedule::Constant { .. } => 0,
-        LrSchedule::WarmupStep { warmup, .. } | LrSchedule::Cosine { warmup, .. } => *warmup,
-    });
+    let warmup = a.warmup.unwrap_or(warmup_of(&opt.lr));
     let step = |milestones: Vec<u64>, gamma: f32| LrSchedule::WarmupStep {
         lr: peak,
         warmup,
@@ -351,8 +363,7 @@ fn optimizer(
                 *w = warmup
             }
         },
-        Some("constant") if warmup == 0 => opt.lr = LrSchedule::Constant { lr: peak },
-        Some("constant") => opt.lr = step(vec![], 1.0),
+        Some("constant") => opt.lr = constant_after_warmup(peak, warmup),
         Some("cosine") => {
             opt.lr = LrSchedule::Cosine {
                 lr: peak,
@@ -405,8 +416,36 @@ fn peak(s: &LrSchedule) -> f32 {
     }
 }
 
+fn warmup_of(s: &LrSchedule) -> u64 {
+    match s {
+        LrSchedule::Constant { .. } => 0,
+        LrSchedule::WarmupStep { warmup, .. } | LrSchedule::Cosine { warmup, .. } => *warmup,
+    }
+}
+
+/// A linear warm-up to `peak` over `warmup` steps, then `peak` for good.
+fn constant_after_warmup(peak: f32, warmup: u64) -> LrSchedule {
+    if warmup == 0 {
+        LrSchedule::Constant { lr: peak }
+    } else {
+        LrSchedule::WarmupStep {
+            lr: peak,
+            warmup,
+            milestones: vec![],
+            gamma: 1.0,
+        }
+    }
+}
+
+/// `s` without its decay: its warm-up, then its peak rate for good. For a run whose length is
+/// unknown (a time budget), which a decay towards a fixed end would stop early or never reach.
+pub(crate) fn without_end(s: &LrSchedule) -> LrSchedule {
+    constant_after_warmup(peak(s), warmup_of(s))
+}
+
 fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
     let mut alg = Algorithm::from_name(a.algo.as_deref().unwrap_or("wagma"))?;
+    refuse_foreign_options(a, &alg)?;
     match &mut alg {
         Algorithm::Wagma(o) => {
             let tau = match &a.tau {
@@ -430,13 +469,10 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
         }
         Algorithm::LocalSgd { period } => *period = a.period.unwrap_or(1),
         Algorithm::Sgp { peers, .. } => *peers = a.peers.unwrap_or(1),
-        Algorithm::EagerSgd {
-            sync_period, mode, ..
-        } => {
+        Algorithm::EagerSgd { sync_period, .. } => {
             if let Some(s) = &a.eager_sync {
                 *sync_period = never_or(s, "eager-sync")?;
             }
-            let _: &mut EagerMode = mode;
         }
         _ => {}
     }
@@ -446,6 +482,51 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
         a.ad_psgd_gossip,
     );
     Ok(alg)
+}
+
+/// Refuses an option of another algorithm than `alg` (a run would ignore it silently: local SGD
+/// given `--tau 5` would average every step).
+fn refuse_foreign_options(a: &Args, alg: &Algorithm) -> anyhow::Result<()> {
+    let wagma = matches!(alg, Algorithm::Wagma(_));
+    let eager = matches!(alg, Algorithm::EagerSgd { .. });
+    let sgp = matches!(alg, Algorithm::Sgp { .. });
+    let options = [
+        ("--tau", a.tau.is_some(), wagma, "wagma"),
+        ("--group-size", a.group_size.is_some(), wagma, "wagma"),
+        ("--combine", a.combine.is_some(), wagma, "wagma"),
+        ("--groups", a.groups.is_some(), wagma, "wagma"),
+        ("--blocking", a.blocking.is_some(), wagma, "wagma"),
+        (
+            "--period",
+            a.period.is_some(),
+            matches!(alg, Algorithm::LocalSgd { .. }),
+            "local-sgd",
+        ),
+        ("--peers", a.peers.is_some(), sgp, "sgp"),
+        ("--sgp-offsets", a.sgp_offsets.is_some(), sgp, "sgp"),
+        ("--eager-sync", a.eager_sync.is_some(), eager, "eager-sgd"),
+        (
+            "--late-gradients",
+            a.late_gradients.is_some(),
+            eager,
+            "eager-sgd",
+        ),
+        (
+            "--ad-psgd-gossip",
+            a.ad_psgd_gossip.is_some(),
+            matches!(alg, Algorithm::AdPsgd { .. }),
+            "ad-psgd",
+        ),
+    ];
+    for (flag, given, applies, to) in options {
+        if given && !applies {
+            bail!(
+                "{flag} applies to {to}, not to {} (remove it, or choose {to} with --algo)",
+                alg.label()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Builds the run's configuration (everything but the workload's data).
@@ -477,12 +558,6 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
     c.seed = a.seed.unwrap_or(c.seed);
     c.algo.seed = c.seed;
     c.ranks = a.ranks.unwrap_or(c.ranks);
-    c.steps = a.steps.unwrap_or(match c.workload {
-        WorkloadKind::Image => 600,
-        WorkloadKind::Translate => 1500,
-        WorkloadKind::Navigate => 3000,
-    });
-    c.eval_every = a.eval_every.unwrap_or((c.steps / 6).max(1));
     c.budget = a.budget_seconds;
     c.batch = a.batch;
     c.width = a.width;
@@ -569,11 +644,12 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
             Duration::try_from_secs_f64(t).map_err(|_| anyhow::anyhow!("invalid timeout {t}"))?;
     }
     c.progress = !a.quiet.unwrap_or(false);
-    let opt = optimizer(a, c.workload, c.steps, c.ranks * c.image_batch())?;
+    // The data is not loaded yet: with --epochs this checks the options on a stand-in number
+    // of steps, and `run` sets the real one before training.
+    set_steps(a, &mut c, None)?;
     if let Some(d) = &a.device {
         c.device = d.parse()?;
     }
-    c.optimizer = Some(opt);
     c.out = a.out.clone().unwrap_or_else(|| {
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -637,24 +713,86 @@ fn observer(c: &TrainConfig, primary: &'static str) -> Bar {
     Bar { bar, primary }
 }
 
+/// The workload's iterations when neither `--steps` nor `--epochs` says.
+fn default_steps(w: WorkloadKind) -> u64 {
+    match w {
+        WorkloadKind::Image => 600,
+        WorkloadKind::Translate => 1500,
+        WorkloadKind::Navigate => 3000,
+    }
+}
+
+/// Samples per local step of the translation workload by default (sentences).
+const TRANSLATE_BATCH: usize = 32;
+
+/// Samples per local step (sentences for translate, episodes for navigate).
+fn local_batch(c: &TrainConfig) -> usize {
+    match c.workload {
+        WorkloadKind::Image => c.image_batch(),
+        WorkloadKind::Translate => c.batch.unwrap_or(TRANSLATE_BATCH),
+        WorkloadKind::Navigate => c.batch.unwrap_or(PpoConfig::default().episodes),
+    }
+}
+
+/// Sets the iterations and what is derived from them: the default evaluation period and the
+/// learning-rate schedule (whose warm-up, decay and end are fractions of the run). The only
+/// place that does, so that they always agree. `train_len` is the number of training samples,
+/// which `--epochs` needs; until the data is loaded (`None`) the workload's default stands in.
+fn set_steps(a: &Args, c: &mut TrainConfig, train_len: Option<usize>) -> anyhow::Result<()> {
+    c.steps = match (a.steps, a.epochs) {
+        (Some(_), Some(_)) => bail!(
+            "steps and epochs exclude each other (a --steps or --epochs on the command line \
+             replaces the config file's)"
+        ),
+        (Some(s), None) => s,
+        (None, Some(_)) if c.workload == WorkloadKind::Navigate => {
+            bail!("--epochs does not apply to navigate (use --steps)")
+        }
+        (None, Some(e)) if !(e.is_finite() && e > 0.0) => bail!("invalid --epochs {e}"),
+        (None, Some(e)) => match train_len {
+            Some(n) => epochs_to_steps(e, n, local_batch(c), c.ranks),
+            None => default_steps(c.workload),
+        },
+        (None, None) => default_steps(c.workload),
+    };
+    c.eval_every = a.eval_every.unwrap_or((c.steps / 6).max(1));
+    c.optimizer = Some(optimizer(
+        a,
+        c.workload,
+        c.steps,
+        c.ranks * c.image_batch(),
+    )?);
+    Ok(())
+}
+
 /// Runs `wagma train`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let a = args.merged()?;
     let mut c = config(&a)?;
-    let summary = execute(&mut c, a.epochs)?;
+    let summary = execute_with(&mut c, |c, train_len| {
+        set_steps(&a, c, Some(train_len))?;
+        Ok(c.validate()?)
+    })?;
     print_summary(&summary, &c);
     Ok(())
 }
 
-/// Loads the workload's data and trains as `c` says (`epochs`, when given, sets the steps).
-pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summary> {
+/// Loads the workload's data and trains as `c` says.
+pub fn execute(c: &mut TrainConfig) -> anyhow::Result<Summary> {
+    execute_with(c, |_, _| Ok(()))
+}
+
+/// Loads the workload's data and trains as `c` says, once `sized` has seen the number of
+/// training samples (image and translate: what an epoch is) and adjusted `c` to it.
+fn execute_with(
+    c: &mut TrainConfig,
+    sized: impl FnOnce(&mut TrainConfig, usize) -> anyhow::Result<()>,
+) -> anyhow::Result<Summary> {
     Ok(match c.workload {
         WorkloadKind::Image => {
             let (train, test, name) = image::load(&c.dataset, c.seed)?;
-            let batch = c.image_batch();
-            if let Some(e) = epochs {
-                c.steps = epochs_to_steps(e, train.len(), batch, c.ranks)?;
-            }
+            sized(c, train.len())?;
+            let batch = local_batch(c);
             let held_out = test.len();
             let w = ImageWorkload::new(train, test, batch, c.width.unwrap_or(16))
                 .with_label_skew(c.non_iid);
@@ -665,20 +803,15 @@ pub fn execute(c: &mut TrainConfig, epochs: Option<f64>) -> anyhow::Result<Summa
             go(&w, c, data)?
         }
         WorkloadKind::Translate => {
-            let batch = c.batch.unwrap_or(32);
-            let w = TranslateWorkload::from_catalogs(c.catalogs.as_deref(), batch, c.seed)?;
-            if let Some(e) = epochs {
-                c.steps = epochs_to_steps(e, w.train_len(), batch, c.ranks)?;
-            }
+            let w =
+                TranslateWorkload::from_catalogs(c.catalogs.as_deref(), local_batch(c), c.seed)?;
+            sized(c, w.train_len())?;
             let data = w.describe();
             go(&w, c, data)?
         }
         WorkloadKind::Navigate => {
-            if epochs.is_some() {
-                bail!("--epochs does not apply to navigate (use --steps)");
-            }
             let ppo = PpoConfig {
-                episodes: c.batch.unwrap_or(PpoConfig::default().episodes),
+                episodes: local_batch(c),
                 ..PpoConfig::default()
             };
             let w = NavigateWorkload::new(NavConfig::default(), ppo, 64);
@@ -697,11 +830,9 @@ pub fn primary_metric(w: WorkloadKind) -> &'static str {
     }
 }
 
-fn epochs_to_steps(e: f64, n: usize, batch: usize, ranks: usize) -> anyhow::Result<u64> {
-    if !(e.is_finite() && e > 0.0) {
-        bail!("invalid --epochs {e}");
-    }
-    Ok(((e * n as f64) / (batch * ranks) as f64).ceil().max(1.0) as u64)
+/// Iterations of `e` epochs over `n` samples, `batch` per rank and step (at least one).
+fn epochs_to_steps(e: f64, n: usize, batch: usize, ranks: usize) -> u64 {
+    ((e * n as f64) / (batch * ranks) as f64).ceil().max(1.0) as u64
 }
 
 fn go<W: wagma_train::workloads::Workload>(
@@ -771,5 +902,159 @@ fn print_summary(s: &Summary, c: &TrainConfig) {
     println!("summary: {}", c.out.join("summary.json").display());
     if let Some(ck) = &s.checkpoint {
         println!("last checkpoint: {}", ck.display());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// `flags` merged over a config file holding `file`.
+    fn merged(file: &str, flags: Args) -> Args {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "wagma-train-merge-{}-{}.toml",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, file).unwrap();
+        let out = Args {
+            config: Some(path.clone()),
+            ..flags
+        }
+        .merged();
+        let _ = std::fs::remove_file(&path);
+        out.unwrap()
+    }
+
+    /// The schedule's warm-up and end, of a cosine schedule.
+    fn cosine(c: &TrainConfig) -> (u64, u64) {
+        match c.optimizer.as_ref().map(|o| &o.lr) {
+            Some(LrSchedule::Cosine { warmup, total, .. }) => (*warmup, *total),
+            other => panic!("not a cosine schedule: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn epochs_set_the_schedule_and_the_evaluations_of_the_run() {
+        let a = Args {
+            epochs: Some(5.0),
+            ..Args::default()
+        };
+        let mut c = TrainConfig::default();
+        // Until the data is loaded, the default stands in.
+        set_steps(&a, &mut c, None).unwrap();
+        assert_eq!(c.steps, 600);
+        // 5 epochs of 60,000 samples at 8 ranks x 32: 1,171.9 iterations, rounded up.
+        set_steps(&a, &mut c, Some(60_000)).unwrap();
+        assert_eq!(c.steps, 1172);
+        assert_eq!(cosine(&c), (c.steps / 20, c.steps));
+        assert_eq!(c.eval_every, c.steps / 6);
+        let lr = &c.optimizer.as_ref().unwrap().lr;
+        assert!(lr.at(c.steps / 2) > 0.0, "the second half learns");
+        // An explicit evaluation period stays; a step schedule's milestones follow the steps.
+        let a = Args {
+            epochs: Some(5.0),
+            eval_every: Some(7),
+            schedule: Some("step".into()),
+            ..Args::default()
+        };
+        set_steps(&a, &mut c, Some(60_000)).unwrap();
+        assert_eq!(c.eval_every, 7);
+        assert!(matches!(
+            &c.optimizer.as_ref().unwrap().lr,
+            LrSchedule::WarmupStep { milestones, .. } if milestones[..] == [586, 879]
+        ));
+        // Translate counts epochs in sentences of its own default batch.
+        let mut t = TrainConfig {
+            workload: WorkloadKind::Translate,
+            ranks: 2,
+            ..TrainConfig::default()
+        };
+        set_steps(&Args::default(), &mut t, Some(1000)).unwrap();
+        assert_eq!(t.steps, 1500);
+        set_steps(&a, &mut t, Some(1000)).unwrap();
+        assert_eq!(t.steps, 79);
+    }
+
+    #[test]
+    fn epochs_are_refused_where_they_mean_nothing() {
+        let mut c = TrainConfig {
+            workload: WorkloadKind::Navigate,
+            ..TrainConfig::default()
+        };
+        let epochs = |e| Args {
+            epochs: Some(e),
+            ..Args::default()
+        };
+        let err = set_steps(&epochs(1.0), &mut c, None).unwrap_err();
+        assert!(err.to_string().contains("navigate"), "{err}");
+        let mut c = TrainConfig::default();
+        for e in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(set_steps(&epochs(e), &mut c, None).is_err(), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_option_of_another_algorithm_is_refused() {
+        let with = |algo: &str, f: fn(&mut Args)| {
+            let mut a = Args {
+                algo: Some(algo.into()),
+                ..Args::default()
+            };
+            f(&mut a);
+            algorithm(&a)
+        };
+        let err = with("local-sgd", |a| a.tau = Some("5".into())).unwrap_err();
+        assert!(err.to_string().contains("--tau applies to wagma"), "{err}");
+        assert!(with("wagma", |a| a.period = Some(4)).is_err());
+        assert!(with("d-psgd", |a| a.peers = Some(2)).is_err());
+        assert!(with("sgp", |a| a.eager_sync = Some("5".into())).is_err());
+        // Each algorithm's own options are taken.
+        assert!(with("wagma", |a| a.tau = Some("5".into())).is_ok());
+        assert!(with("local-sgd", |a| a.period = Some(4)).is_ok());
+        assert!(with("sgp", |a| a.peers = Some(2)).is_ok());
+        assert!(with("eager-sgd-solo", |a| a.eager_sync = Some("5".into())).is_ok());
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_files_alternative() {
+        let steps = |s| Args {
+            steps: Some(s),
+            ..Args::default()
+        };
+        let epochs = |e| Args {
+            epochs: Some(e),
+            ..Args::default()
+        };
+        let a = merged("epochs = 5.0\n", steps(100));
+        assert_eq!((a.steps, a.epochs), (Some(100), None));
+        let a = merged("steps = 100\n", epochs(2.0));
+        assert_eq!((a.steps, a.epochs), (None, Some(2.0)));
+        let a = merged("steps = 100\nepochs = 2.0\n", steps(10));
+        assert_eq!((a.steps, a.epochs), (Some(10), None));
+        // A flag that is no alternative leaves the file's choice alone.
+        let a = merged(
+            "epochs = 5.0\n",
+            Args {
+                seed: Some(3),
+                ..Args::default()
+            },
+        );
+        assert_eq!((a.steps, a.epochs, a.seed), (None, Some(5.0), Some(3)));
+        let a = merged(
+            "dataset = \"builtin\"\n",
+            Args {
+                data: Some("/data/fashion".into()),
+                ..Args::default()
+            },
+        );
+        assert_eq!(a.dataset, None);
+        // Both in the file: refused, before any data is loaded.
+        let a = merged("steps = 100\nepochs = 2.0\n", Args::default());
+        let err = set_steps(&a, &mut TrainConfig::default(), None).unwrap_err();
+        assert!(err.to_string().contains("exclude each other"), "{err}");
     }
 }

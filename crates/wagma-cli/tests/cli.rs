@@ -2,6 +2,7 @@
 
 mod common;
 use common::{bench_collectives_rows, launch_tcp_train, ok, ok_json, tmp, wagma};
+use std::path::PathBuf;
 
 #[test]
 fn bench_collectives_runs_over_mem_and_tcp() {
@@ -115,29 +116,41 @@ fn bench_imbalance_refuses_bad_options() {
     }
 }
 
-#[test]
-fn train_writes_metrics_and_summary_and_honours_a_config_file() {
-    let dir = tmp("train");
+/// The `summary.json` a run wrote to `dir`.
+fn summary(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+/// `wagma train --config FILE` (FILE holding `file`) on the built-in data with `flags`, quiet,
+/// into a fresh directory named after `name`: the directory, the file and the output.
+fn train_with_config(
+    name: &str,
+    file: &str,
+    flags: &[&str],
+) -> (PathBuf, PathBuf, std::process::Output) {
+    let dir = tmp(name);
     let cfg = dir.with_extension("toml");
-    std::fs::write(&cfg, "workload = \"image\"\nalgo = \"local-sgd\"\nperiod = 2\nsteps = 1000\neval-every = 5\nranks = 3\n").unwrap();
+    std::fs::write(&cfg, file).unwrap();
     let out = wagma()
         .args(["train", "--config"])
         .arg(&cfg)
-        .args([
-            "--steps",
-            "10",
-            "--quiet",
-            "true",
-            "--dataset",
-            "builtin",
-            "--out",
-        ])
+        .args(flags)
+        .args(["--quiet", "true", "--dataset", "builtin", "--out"])
         .arg(&dir)
         .output()
         .unwrap();
+    (dir, cfg, out)
+}
+
+#[test]
+fn train_writes_metrics_and_summary_and_honours_a_config_file() {
+    let (dir, cfg, out) = train_with_config(
+        "train",
+        "workload = \"image\"\nalgo = \"local-sgd\"\nperiod = 2\nsteps = 1000\neval-every = 5\nranks = 3\n",
+        &["--steps", "10"],
+    );
     ok(&out);
-    let s: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    let s = summary(&dir);
     assert_eq!(s["steps"], 10, "the flag overrides the file");
     assert_eq!(s["ranks"], 3);
     assert_eq!(s["label"], "local-sgd H=2");
@@ -149,6 +162,39 @@ fn train_writes_metrics_and_summary_and_honours_a_config_file() {
     assert!(first["replica0"]["accuracy"].is_number());
     assert!(String::from_utf8_lossy(&out.stdout).contains("summary.json"));
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&cfg);
+}
+
+#[test]
+fn train_in_epochs_schedules_and_evaluates_the_steps_it_runs() {
+    // 0.0055 epochs of the 8,000 built-in samples at 2 ranks x 4: 6 iterations.
+    let dir = tmp("train-epochs");
+    let out = wagma()
+        .args(["train", "--epochs", "0.0055", "--ranks", "2"])
+        .args(["--batch", "4", "--width", "4", "--quiet", "true"])
+        .args(["--dataset", "builtin"])
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    ok(&out);
+    let s = summary(&dir);
+    assert_eq!(s["steps"], 6);
+    // The schedule ends with the run.
+    assert_eq!(s["optimizer"]["lr"]["total"], 6);
+    // The default evaluation period is a sixth of the run.
+    let lines = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 6);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_config_file_with_both_steps_and_epochs_is_refused() {
+    let (dir, cfg, out) = train_with_config("train-both", "steps = 100\nepochs = 2.0\n", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("steps and epochs exclude each other"), "{err}");
+    assert!(!dir.exists(), "nothing ran");
     let _ = std::fs::remove_file(&cfg);
 }
 
@@ -179,8 +225,7 @@ fn launch_runs_training_over_tcp() {
         .output()
         .unwrap();
     ok(&out);
-    let s: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    let s = summary(&dir);
     assert_eq!(s["ranks"], 3);
     assert_eq!(s["execution"], "tcp");
     let _ = std::fs::remove_dir_all(&dir);
@@ -207,8 +252,7 @@ fn train_under_a_launcher_joins_its_job_without_transport_flag() {
         .output()
         .unwrap();
     ok(&out);
-    let s: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    let s = summary(&dir);
     assert_eq!(s["ranks"], 3);
     assert_eq!(s["execution"], "tcp");
     assert_eq!(s["optimizer"]["kind"], "adam");

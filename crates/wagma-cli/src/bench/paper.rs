@@ -11,15 +11,16 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 use serde::{Deserialize, Serialize};
-use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
+use wagma::algo::{AlgoConfig, Algorithm, OptimizerConfig, WagmaOptions};
 use wagma::imbalance::{Imbalance, Profile};
 use wagma::topology::{GroupingKind, default_group_size};
+use wagma_train::config::default_optimizer;
 use wagma_train::trainer::EvalRecord;
 use wagma_train::workloads::image::Dataset;
 use wagma_train::{Execution, Summary, TrainConfig, WorkloadKind};
 
 use crate::plot::{self, Series};
-use crate::train::{execute, primary_metric};
+use crate::train::{execute, primary_metric, without_end};
 
 /// Options of `wagma bench paper`.
 #[derive(ClapArgs, Debug, Clone, Serialize, Deserialize)]
@@ -46,10 +47,15 @@ pub struct Args {
     /// Iterations per algorithm.
     #[arg(long, conflicts_with = "budget_seconds")]
     pub steps: Option<u64>,
-    /// Training seconds per algorithm instead of a number of iterations.
+    /// Training seconds per algorithm instead of a number of iterations. The length of a run is
+    /// then unknown, so the learning rate does not decay: after the warm-up of the workload's
+    /// default run (600 iterations for image, 900 for translate, 2000 for navigate) it stays at
+    /// its peak. A run stops at its first evaluation after the budget, and evaluations come
+    /// every default run / --eval-points iterations.
     #[arg(long)]
     pub budget_seconds: Option<f64>,
-    /// Evaluations per run.
+    /// Evaluations per run (with --budget-seconds: per default run, which sets the evaluation
+    /// period).
     #[arg(long, default_value_t = 10)]
     pub eval_points: u64,
     /// Target metric (default: 98% of allreduce-sgd's final value).
@@ -297,6 +303,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from(format!("runs/paper-{workload}")));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let plan = plan(&args)?;
+    // With a budget, the default stands in for the unknown length: it sets the warm-up and the
+    // evaluation period.
     let steps = args.steps.unwrap_or(match workload {
         WorkloadKind::Image => 600,
         WorkloadKind::Translate => 900,
@@ -351,10 +359,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             progress: false,
             ..TrainConfig::default()
         };
-        c.optimizer = Some(wagma_train::config::default_optimizer(
+        c.optimizer = Some(optimizer(
             workload,
             steps,
             c.ranks * c.image_batch(),
+            args.budget_seconds.is_some(),
         ));
         c.validate()?;
         eprint!("[{}/{}] {label} ({group}) ... ", i + 1, plan.len());
@@ -367,7 +376,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None => {
                 // Written after the run, so that an interrupted run is never taken as finished.
                 let _ = std::fs::remove_file(&config_file);
-                let s = execute(&mut c, None)?;
+                let s = execute(&mut c)?;
                 std::fs::write(&config_file, &config)
                     .with_context(|| format!("writing {}", config_file.display()))?;
                 s
@@ -445,6 +454,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!("{}", table(&results));
     println!("report: {}", out.join("report.md").display());
     Ok(())
+}
+
+/// The workload's default optimizer for a run of `steps`. With a time budget the run has no
+/// known end for a decay to aim at: the rate stays at its peak after the warm-up.
+fn optimizer(
+    workload: WorkloadKind,
+    steps: u64,
+    global_batch: usize,
+    budget: bool,
+) -> OptimizerConfig {
+    let mut opt = default_optimizer(workload, steps, global_batch);
+    if budget {
+        opt.lr = without_end(&opt.lr);
+    }
+    opt
 }
 
 fn csv(r: &Results) -> String {
@@ -728,4 +752,32 @@ fn report(
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_time_budget_keeps_the_peak_rate_after_the_warm_up() {
+        for w in [
+            WorkloadKind::Image,
+            WorkloadKind::Translate,
+            WorkloadKind::Navigate,
+        ] {
+            let fixed = optimizer(w, 600, 256, false).lr;
+            let open = optimizer(w, 600, 256, true).lr;
+            let peak = (0..600).map(|t| fixed.at(t)).fold(0.0, f32::max);
+            // The same warm-up and peak; past the default run's end the rate is still the peak.
+            assert_eq!(open.at(0), fixed.at(0), "{w}");
+            assert_eq!(open.at(100), peak, "{w}");
+            assert_eq!(open.at(600), peak, "{w}");
+            assert_eq!(open.at(1_000_000), peak, "{w}");
+        }
+        // Without a budget the image schedule ends at the run's end.
+        assert_eq!(
+            optimizer(WorkloadKind::Image, 600, 256, false).lr.at(600),
+            0.0
+        );
+    }
 }

@@ -23,7 +23,7 @@ pub struct Args {
     /// Steps per block.
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
-    /// Blocks per loop (alternating plain and wrapped).
+    /// Blocks per loop (alternating plain and wrapped; the first warms up and is not counted).
     #[arg(long, default_value_t = 5)]
     pub blocks: usize,
     /// Algorithm behind the wrapper.
@@ -49,11 +49,6 @@ struct Report {
     overhead: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 fn adam() -> ModuleOptimizer {
     AdamConfig::new().init()
 }
@@ -68,7 +63,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (train, test, data) = image::load(&dataset, 1)?;
     let w = ImageWorkload::new(train, test, 32, 16);
     let algo = AlgoConfig::new(Algorithm::from_name(&a.algo)?);
-    let (steps, blocks) = (a.steps, a.blocks.max(1));
+    if a.steps == 0 || a.blocks < 2 {
+        anyhow::bail!("--steps must be at least 1 and --blocks at least 2 (the first warms up)");
+    }
+    let (steps, blocks) = (a.steps, a.blocks);
     let job = threaded::run(1, EngineConfig::default(), async |c: &mut Comm| {
         let device = train_device();
         let mut local = w.local(0, 1, 1);
@@ -101,7 +99,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 t_wrapped.push(1e3 * wrapped_s / steps as f64);
             }
         }
-        Ok::<_, Error>((median(t_plain), median(t_wrapped)))
+        Ok::<_, Error>((super::median(&mut t_plain), super::median(&mut t_wrapped)))
     })?;
     let (p, wr) = job
         .into_all()?
