@@ -356,25 +356,53 @@ fn alive_at_evaluations(out: &Path) -> Vec<(u64, u64)> {
 fn a_restarted_rank_rejoins_an_elastic_job_at_a_global_average() {
     let reps = stress_reps(1);
     for rep in 0..reps {
-        rejoin_once(rep);
+        rejoin_once(rep, Down::Killed);
     }
     eprintln!("{reps} kills and rejoins: all ranks finished every time");
+    // A hung process keeps its connections open (its kernel still answers keepalive): the
+    // survivors must drop them once they declare it dead, or its rank stays taken.
+    rejoin_once(0, Down::Hung);
 }
 
-/// Kills one of 4 elastic TCP ranks (varying with `rep`), restarts it with `--rejoin`, and
-/// checks that it rejoined at a global average and that the job finished with all 4.
-fn rejoin_once(rep: u64) {
+/// How a rank goes down before a process restarted in its place rejoins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Down {
+    /// SIGKILL: its connections close at once.
+    Killed,
+    /// SIGSTOP: its connections stay open, its heartbeats stop.
+    Hung,
+}
+
+/// Takes down one of 4 elastic TCP ranks (varying with `rep`), restarts it with `--rejoin`,
+/// and checks that it rejoined at a global average and that the job finished with all 4.
+fn rejoin_once(rep: u64, down: Down) {
     let (ranks, steps) = (4, 400);
     let victim = 1 + rep as usize % (ranks - 1);
-    let dir = tmp(&format!("rejoin-{rep}"));
+    let dir = tmp(&format!("rejoin-{rep}-{down:?}"));
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("out");
-    let args = train_args(&out, steps, 20, &["--elastic", "--timeout", "20"]);
+    let timeout_s = match down {
+        Down::Killed => "20",
+        // Found by its missing heartbeats only: a shorter wait keeps the test short.
+        Down::Hung => "8",
+    };
+    let args = train_args(&out, steps, 20, &["--elastic", "--timeout", timeout_s]);
     let (mut children, rdv) = spawn_job(ranks, &args, &dir);
     let kill_after = 100 + (rep * 20) % 100;
     assert!(wait_until(Duration::from_secs(300), || evaluated(&out) >= kill_after));
-    children[victim].kill().unwrap();
-    let _ = children[victim].wait();
+    match down {
+        Down::Killed => {
+            children[victim].kill().unwrap();
+            let _ = children[victim].wait();
+        }
+        Down::Hung => {
+            let pid = i32::try_from(children[victim].id()).unwrap();
+            // SAFETY: kill(2) on a child of this test has no memory effects here.
+            unsafe {
+                libc::kill(pid, libc::SIGSTOP);
+            }
+        }
+    }
     let killed_after = evaluated(&out);
     // Rank 0 records the loss at an evaluation before the replacement starts.
     assert!(wait_until(Duration::from_secs(120), || {
@@ -385,8 +413,14 @@ fn rejoin_once(rep: u64) {
     let mut rejoin_args = args.clone();
     rejoin_args.push("--rejoin".into());
     let log = dir.join(format!("rank-{victim}-rejoined.log"));
-    children[victim] = spawn_rank(victim, ranks, &rdv, None, &rejoin_args, &log);
+    // The process it replaces: reaped already if killed, still stopped if hung.
+    let mut replaced = std::mem::replace(
+        &mut children[victim],
+        spawn_rank(victim, ranks, &rdv, None, &rejoin_args, &log),
+    );
     let status = wait_all(&mut children, Duration::from_secs(600));
+    let _ = replaced.kill();
+    let _ = replaced.wait();
     for (rank, s) in status.iter().enumerate() {
         let name = if rank == victim {
             format!("rank-{victim}-rejoined.log")
@@ -420,7 +454,7 @@ fn rejoin_once(rep: u64) {
     let (acc, alive_at_end) = outcome(&out);
     assert_eq!(alive_at_end, 4);
     eprintln!(
-        "rep {rep}: rank {victim} killed after iteration {killed_after}, rejoined at {rejoined_at}; final accuracy {acc:.4}"
+        "rep {rep}: rank {victim} {down:?} after iteration {killed_after}, rejoined at {rejoined_at}; final accuracy {acc:.4}"
     );
     assert!(acc > 0.8, "final accuracy {acc:.4}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -246,6 +246,13 @@ pub enum Action {
         /// Its outcome.
         result: Result<Response, Error>,
     },
+    /// `peer` was declared dead (elastic mode): drop the connection to it. A process that hung
+    /// may still hold it open (its kernel answers keepalive), and a process restarted in its
+    /// place can only take the rank once it is gone.
+    Disconnect {
+        /// The dead peer.
+        peer: Rank,
+    },
 }
 
 /// Counters of one engine.
@@ -713,6 +720,7 @@ impl Engine {
             reason,
             "declared rank {peer} dead; continuing without it"
         );
+        out.push(Action::Disconnect { peer });
         for r in &mut self.running {
             r.mark_absent(peer);
         }

@@ -11,6 +11,8 @@ struct Net {
     wire: VecDeque<(Rank, Envelope)>,
     done: Vec<(Rank, ReqId, Result<Response, Error>)>,
     sent: Vec<(Rank, Rank, Kind, u64)>,
+    /// (rank, peer): the rank's engine asked to drop its connection to the peer.
+    disconnected: Vec<(Rank, Rank)>,
 }
 
 impl Net {
@@ -24,6 +26,7 @@ impl Net {
             wire: VecDeque::new(),
             done: Vec::new(),
             sent: Vec::new(),
+            disconnected: Vec::new(),
         }
     }
 
@@ -35,6 +38,7 @@ impl Net {
                     self.wire.push_back((to, env));
                 }
                 Action::Complete { id, result } => self.done.push((from, id, result)),
+                Action::Disconnect { peer } => self.disconnected.push((from, peer)),
             }
         }
     }
@@ -413,6 +417,8 @@ fn a_restarted_rank_is_admitted_welcomed_and_takes_part_in_the_next_round() {
         net.absorb(r, out);
     }
     assert_eq!(stats(&mut net, 0).dead, vec![2]);
+    // Each survivor drops its connection to the dead rank, once.
+    assert_eq!(net.disconnected, [(0, 2), (1, 2)]);
     // A new process takes over rank 2 and announces itself.
     net.engines[2] = Engine::new(2, 3, cfg);
     net.request(2, 1, Request::Announce);

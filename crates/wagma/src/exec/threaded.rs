@@ -224,6 +224,7 @@ fn perform(
                         slot.complete(result);
                     }
                 }
+                Action::Disconnect { peer } => transport.disconnect(peer),
             }
         }
     }

@@ -443,6 +443,8 @@ impl Core {
                         slot.complete(result);
                     }
                 }
+                // Virtual ranks have no connections to drop.
+                Action::Disconnect { .. } => {}
             }
         }
         // One pending tick per rank, at its earliest deadline: a later deadline waits for

@@ -63,6 +63,14 @@ pub trait Transport {
     /// the rank's exit for a whole write timeout each. The default does nothing.
     fn leaving(&mut self) {}
 
+    /// The engine declared `peer` dead (elastic mode): a transport with connections drops the
+    /// one to it, so that a process restarted in its place can take the rank even when the
+    /// dead one's connection still stands (a hung process whose kernel answers keepalive).
+    /// The default does nothing.
+    fn disconnect(&mut self, peer: Rank) {
+        let _ = peer;
+    }
+
     /// The engine took a message of `from` out of the inbox. Transports whose threads fill
     /// the inbox count here what each peer has waiting, to bound it; the default does nothing.
     fn taken(&self, from: Rank) {

@@ -341,6 +341,14 @@ impl Transport for TcpTransport {
         }
     }
 
+    fn disconnect(&mut self, peer: Rank) {
+        // Closing the socket ends its reader too, which marks the peer as no longer connected:
+        // a rejoin for the rank is then accepted.
+        if let Some(w) = self.writers.get_mut(peer).and_then(Option::take) {
+            w.abandon();
+        }
+    }
+
     fn taken(&self, from: Rank) {
         if let Some(q) = self.queued.get(from) {
             // Saturating: a message counted by an earlier reader of a rejoined peer is still
