@@ -124,6 +124,38 @@ fn arrive(net: &mut Net, rank: Rank, round: u64, value: f32) {
 }
 
 #[test]
+fn an_activation_reaches_the_ranks_below_a_dead_one_in_the_tree() {
+    // From root 0 of 8 the tree is 0 -> 1, 2, 4; 1 -> 3, 5; 2 -> 6; 3 -> 7. With rank 1 dead,
+    // rank 0 sends what 1 would have, so ranks 3, 5 and 7 still take part without arriving.
+    let mut net = Net::with_config(8, elastic());
+    open(&mut net, 4, 2);
+    for r in (0..8).filter(|&r| r != 1) {
+        let mut out = Vec::new();
+        net.engines[r].on_peer_lost(Duration::ZERO, 1, "killed", &mut out);
+        net.absorb(r, out);
+    }
+    arrive(&mut net, 0, 0, 100.0);
+    net.pump(10_000);
+    for e in net.engines.iter().filter(|e| e.rank != 1) {
+        assert_eq!(e.stats.rounds, 1, "rank {}", e.rank);
+    }
+    let sent_by_0: Vec<Rank> = net
+        .sent
+        .iter()
+        .filter(|s| s.2 == Kind::Activation && s.0 == 0)
+        .map(|s| s.1)
+        .collect();
+    assert_eq!(sent_by_0, [3, 5, 2, 4]);
+    // Group {0, 1, 2, 3} without its dead member: rank 0 fresh, 2 and 3 passive.
+    assert_eq!(net.take_round(0, 0).sum.as_slice(), &[100.0 + 2.0 + 3.0; 2]);
+    // Group {4, 5, 6, 7} ran with every member passive; a late arrival finds it done.
+    arrive(&mut net, 4, 0, 400.0);
+    let r4 = net.take_round(4, 0);
+    assert!(!r4.fresh);
+    assert_eq!(r4.sum.as_slice(), &[4.0 + 5.0 + 6.0 + 7.0; 2]);
+}
+
+#[test]
 fn two_activators_run_the_round_once_everywhere() {
     let mut net = Net::new(8);
     open(&mut net, 4, 2);
