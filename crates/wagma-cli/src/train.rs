@@ -445,7 +445,6 @@ pub(crate) fn without_end(s: &LrSchedule) -> LrSchedule {
 
 fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
     let mut alg = Algorithm::from_name(a.algo.as_deref().unwrap_or("wagma"))?;
-    refuse_foreign_options(a, &alg)?;
     match &mut alg {
         Algorithm::Wagma(o) => {
             let tau = match &a.tau {
@@ -484,47 +483,70 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
     Ok(alg)
 }
 
-/// Refuses an option of another algorithm than `alg` (a run would ignore it silently: local SGD
-/// given `--tau 5` would average every step).
-fn refuse_foreign_options(a: &Args, alg: &Algorithm) -> anyhow::Result<()> {
-    let wagma = matches!(alg, Algorithm::Wagma(_));
-    let eager = matches!(alg, Algorithm::EagerSgd { .. });
-    let sgp = matches!(alg, Algorithm::Sgp { .. });
-    let options = [
-        ("--tau", a.tau.is_some(), wagma, "wagma"),
-        ("--group-size", a.group_size.is_some(), wagma, "wagma"),
-        ("--combine", a.combine.is_some(), wagma, "wagma"),
-        ("--groups", a.groups.is_some(), wagma, "wagma"),
-        ("--blocking", a.blocking.is_some(), wagma, "wagma"),
+/// The options of one algorithm that `a` sets to something else than their defaults.
+fn algorithm_options(a: &Args) -> [(&'static str, bool, &'static str); 11] {
+    let non_default = |x: Option<&str>, default: &str| x.is_some_and(|v| v != default);
+    [
+        ("--tau", a.tau.is_some(), "wagma"),
+        ("--group-size", a.group_size.is_some(), "wagma"),
         (
-            "--period",
-            a.period.is_some(),
-            matches!(alg, Algorithm::LocalSgd { .. }),
-            "local-sgd",
+            "--combine",
+            non_default(a.combine.as_deref(), "paper"),
+            "wagma",
         ),
-        ("--peers", a.peers.is_some(), sgp, "sgp"),
-        ("--sgp-offsets", a.sgp_offsets.is_some(), sgp, "sgp"),
-        ("--eager-sync", a.eager_sync.is_some(), eager, "eager-sgd"),
+        (
+            "--groups",
+            non_default(a.groups.as_deref(), "butterfly"),
+            "wagma",
+        ),
+        ("--blocking", a.blocking == Some(true), "wagma"),
+        ("--period", a.period.is_some_and(|h| h != 1), "local-sgd"),
+        ("--peers", a.peers.is_some_and(|n| n != 1), "sgp"),
+        (
+            "--sgp-offsets",
+            a.sgp_offsets.is_some_and(|o| o != PeerOffsets::default()),
+            "sgp",
+        ),
+        ("--eager-sync", a.eager_sync.is_some(), "eager-sgd"),
         (
             "--late-gradients",
-            a.late_gradients.is_some(),
-            eager,
+            a.late_gradients
+                .is_some_and(|l| l != LateGradients::default()),
             "eager-sgd",
         ),
-        (
-            "--ad-psgd-gossip",
-            a.ad_psgd_gossip.is_some(),
-            matches!(alg, Algorithm::AdPsgd { .. }),
-            "ad-psgd",
-        ),
-    ];
-    for (flag, given, applies, to) in options {
-        if given && !applies {
+        ("--ad-psgd-gossip", a.ad_psgd_gossip.is_some(), "ad-psgd"),
+    ]
+}
+
+/// Options of another algorithm than the merged configuration's (a run would ignore them: local
+/// SGD given `--tau 5` would average every step): refused when the command line sets them,
+/// reported when only the configuration file does (a file shared by runs of several
+/// algorithms may hold them all).
+fn check_algorithm_options(cli: &Args, merged: &Args) -> anyhow::Result<()> {
+    let alg = Algorithm::from_name(merged.algo.as_deref().unwrap_or("wagma"))?;
+    let applies = |to: &str| match to {
+        "wagma" => matches!(alg, Algorithm::Wagma(_)),
+        "local-sgd" => matches!(alg, Algorithm::LocalSgd { .. }),
+        "sgp" => matches!(alg, Algorithm::Sgp { .. }),
+        "eager-sgd" => matches!(alg, Algorithm::EagerSgd { .. }),
+        _ => matches!(alg, Algorithm::AdPsgd { .. }),
+    };
+    let on_command_line = algorithm_options(cli);
+    for (i, (flag, given, to)) in algorithm_options(merged).into_iter().enumerate() {
+        if !given || applies(to) {
+            continue;
+        }
+        if on_command_line[i].1 {
             bail!(
                 "{flag} applies to {to}, not to {} (remove it, or choose {to} with --algo)",
                 alg.label()
             );
         }
+        eprintln!(
+            "warning: the configuration file's {} applies to {to}, not to {}; ignored",
+            flag.trim_start_matches('-'),
+            alg.label()
+        );
     }
     Ok(())
 }
@@ -767,7 +789,8 @@ fn set_steps(a: &Args, c: &mut TrainConfig, train_len: Option<usize>) -> anyhow:
 
 /// Runs `wagma train`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let a = args.merged()?;
+    let a = args.clone().merged()?;
+    check_algorithm_options(&args, &a)?;
     let mut c = config(&a)?;
     let summary = execute_with(&mut c, |c, train_len| {
         set_steps(&a, c, Some(train_len))?;
@@ -998,25 +1021,33 @@ mod tests {
     }
 
     #[test]
-    fn an_option_of_another_algorithm_is_refused() {
+    fn an_option_of_another_algorithm_is_refused_on_the_command_line() {
         let with = |algo: &str, f: fn(&mut Args)| {
             let mut a = Args {
                 algo: Some(algo.into()),
                 ..Args::default()
             };
             f(&mut a);
-            algorithm(&a)
+            check_algorithm_options(&a, &a)
         };
         let err = with("local-sgd", |a| a.tau = Some("5".into())).unwrap_err();
         assert!(err.to_string().contains("--tau applies to wagma"), "{err}");
         assert!(with("wagma", |a| a.period = Some(4)).is_err());
         assert!(with("d-psgd", |a| a.peers = Some(2)).is_err());
         assert!(with("sgp", |a| a.eager_sync = Some("5".into())).is_err());
-        // Each algorithm's own options are taken.
+        // Each algorithm's own options are taken, and another's at its default value.
         assert!(with("wagma", |a| a.tau = Some("5".into())).is_ok());
         assert!(with("local-sgd", |a| a.period = Some(4)).is_ok());
         assert!(with("sgp", |a| a.peers = Some(2)).is_ok());
         assert!(with("eager-sgd-solo", |a| a.eager_sync = Some("5".into())).is_ok());
+        assert!(with("sgp", |a| a.blocking = Some(false)).is_ok());
+        // Only in the configuration file: reported, not refused.
+        let file = Args {
+            algo: Some("local-sgd".into()),
+            tau: Some("10".into()),
+            ..Args::default()
+        };
+        assert!(check_algorithm_options(&Args::default(), &file).is_ok());
     }
 
     #[test]

@@ -118,10 +118,11 @@ mod tests {
     use super::*;
 
     fn load(text: &str) -> Result<Trace, SimError> {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let path = std::env::temp_dir().join(format!(
             "wagma-trace-{}-{}.jsonl",
             std::process::id(),
-            text.len()
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::write(&path, text).unwrap();
         let t = Trace::load(&path);

@@ -37,12 +37,7 @@ fn eager_sgd_averages_gradients_over_the_living_after_a_loss() {
     // Every gradient is 1 and every round a sync, so the average gradient is exactly 1 and each
     // step moves a parameter by the learning rate 0.125: with all 8 ranks, and with the 7 left
     // once rank 5 dies at step 10 (dividing their sum by 8 would shorten the last 10 steps).
-    let cfg = EngineConfig {
-        timeout: Duration::from_secs(10),
-        heartbeat: Some(Duration::from_millis(250)),
-        elastic: true,
-        ..EngineConfig::default()
-    };
+    let cfg = elastic_engine();
     let algo = AlgoConfig::new(Algorithm::EagerSgd {
         mode: EagerMode::Solo,
         sync_period: Some(1),
@@ -101,12 +96,7 @@ fn assert_survivors_converge(out: Vec<Result<Vec<f32>, Error>>) {
 
 #[test]
 fn collectives_average_over_the_living_after_a_loss() {
-    let cfg = EngineConfig {
-        timeout: Duration::from_secs(10),
-        heartbeat: Some(Duration::from_millis(250)),
-        elastic: true,
-        ..EngineConfig::default()
-    };
+    let cfg = elastic_engine();
     let out = threaded::run(4, cfg, async |c: &mut Comm| {
         let rank = c.rank();
         let before = c
@@ -153,12 +143,7 @@ fn elastic_run(
     algorithm: Algorithm,
     dies: impl Fn(usize) -> Option<u64> + Sync,
 ) -> Vec<Result<Vec<f32>, Error>> {
-    let cfg = EngineConfig {
-        timeout: Duration::from_secs(10),
-        heartbeat: Some(Duration::from_millis(250)),
-        elastic: true,
-        ..EngineConfig::default()
-    };
+    let cfg = elastic_engine();
     let algo = AlgoConfig::new(algorithm);
     let out = threaded::run(p, cfg, async |c: &mut Comm| {
         let rank = c.rank();
@@ -234,5 +219,15 @@ fn losing_rank_0_ends_an_elastic_job_on_every_survivor() {
             }
             _ => panic!("{r:?}"),
         }
+    }
+}
+
+/// An elastic engine that finds a dead peer by its heartbeats within a fraction of a second.
+fn elastic_engine() -> EngineConfig {
+    EngineConfig {
+        timeout: Duration::from_secs(10),
+        heartbeat: Some(Duration::from_millis(250)),
+        elastic: true,
+        ..EngineConfig::default()
     }
 }

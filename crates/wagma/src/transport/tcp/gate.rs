@@ -7,7 +7,9 @@
 //! either limit is closed at once (a real rank calls again). One source that floods the port
 //! with silent connections thus fills only its own share, and callers from every other address
 //! are still served; the share is generous because many ranks of one host call from the same
-//! address (all of a test's ranks from 127.0.0.1).
+//! address (all of a test's ranks from 127.0.0.1). An IPv6 source is its /64 network, which one
+//! host usually holds whole. The total stays well below a process's usual limit of 1,024 open
+//! descriptors, since each pending caller holds one (and a thread) for up to its deadline.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -22,7 +24,7 @@ use crate::error::TransportError;
 /// Most callers from one address a listener authenticates at once.
 pub(super) const MAX_PENDING_PER_SOURCE: usize = 32;
 /// Most callers a listener authenticates at once, from all addresses together.
-pub(super) const MAX_PENDING: usize = 1024;
+pub(super) const MAX_PENDING: usize = 256;
 /// Longest a caller may take for its handshake and the message that follows it.
 pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -156,9 +158,7 @@ impl Pending {
     /// Counts a caller from `source` until the returned guard drops, unless its address or
     /// the listener already has as many as it may.
     fn enter(pending: &Arc<Pending>, source: IpAddr) -> Option<Entered> {
-        // An IPv4 caller of a dual-stack listener arrives as ::ffff:a.b.c.d; it is the same
-        // source as when it calls an IPv4 listener.
-        let source = source.to_canonical();
+        let source = source_of(source);
         let mut c = pending.lock();
         let mine = c.by_source.get(&source).copied().unwrap_or(0);
         if c.total >= MAX_PENDING || mine >= MAX_PENDING_PER_SOURCE {
@@ -175,6 +175,15 @@ impl Pending {
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
         // The counts are updated in single steps that cannot panic halfway.
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The source a caller's address counts against: an IPv4 address (also when a dual-stack
+/// listener sees it as `::ffff:a.b.c.d`), or the /64 network of an IPv6 one.
+fn source_of(addr: IpAddr) -> IpAddr {
+    match addr.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        v4 => v4,
     }
 }
 
@@ -220,7 +229,7 @@ mod tests {
     use super::*;
     use crate::transport::tcp::Credentials;
 
-    fn cred() -> Terms {
+    fn terms() -> Terms {
         Terms {
             credentials: Credentials {
                 job_id: "gate".into(),
@@ -244,6 +253,16 @@ mod tests {
         assert!(Pending::enter(&pending, mapped).is_none());
         // Another address is served meanwhile.
         let from_b = Pending::enter(&pending, b).unwrap();
+        // IPv6 addresses of one /64 share one source.
+        let net: Vec<IpAddr> = (1..=MAX_PENDING_PER_SOURCE as u16 + 1)
+            .map(|i| std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 7, 0, 0, 0, i).into())
+            .collect();
+        let from_net: Vec<Entered> = net[..MAX_PENDING_PER_SOURCE]
+            .iter()
+            .map(|&a| Pending::enter(&pending, a).unwrap())
+            .collect();
+        assert!(Pending::enter(&pending, net[MAX_PENDING_PER_SOURCE]).is_none());
+        drop(from_net);
         // A caller that is done makes room for the next one from its address.
         drop(from_a.pop());
         assert!(Pending::enter(&pending, a).is_some());
@@ -273,7 +292,7 @@ mod tests {
         let gate = open(
             &listener,
             0,
-            cred(),
+            terms(),
             Duration::from_millis(2),
             None,
             || true,
@@ -286,6 +305,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_os = "linux")] // Binds 127.0.0.2: all of 127.0.0.0/8 is loopback on Linux.
     fn a_flood_from_one_address_does_not_shut_out_callers_from_another() {
         let (_listener, addr, _gate, rx) = gate_on_loopback();
         // As many silent callers from 127.0.0.2 as one address may have pending (all of
@@ -305,7 +325,7 @@ mod tests {
         // One attempt, no calling again: a caller the gate closed fails here.
         let caller = TcpStream::connect_timeout(&addr, Duration::from_secs(30)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
-        let session = handshake::connect(&mut Deadlined::new(&caller, deadline), 3, &cred())
+        let session = handshake::connect(&mut Deadlined::new(&caller, deadline), 3, &terms())
             .expect("a caller from another address is served");
         assert_eq!(session.peer, 0);
         let (peer, from) = rx
@@ -324,7 +344,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(60);
         let tagged = Terms {
             frame_integrity: true,
-            ..cred()
+            ..terms()
         };
         let mine = handshake::connect(&mut Deadlined::new(&caller, deadline), 3, &tagged)
             .expect_err("the ends disagree")

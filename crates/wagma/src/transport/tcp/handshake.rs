@@ -546,7 +546,7 @@ mod tests {
 
     use super::*;
 
-    fn cred(job: &str, secret: &str) -> Terms {
+    fn terms(job: &str, secret: &str) -> Terms {
         tagged(job, secret, false)
     }
 
@@ -643,7 +643,7 @@ mod tests {
 
     #[test]
     fn matching_credentials_connect_and_seal() {
-        let (c, a) = pair(cred("job", "s3cret"), cred("job", "s3cret"));
+        let (c, a) = pair(terms("job", "s3cret"), terms("job", "s3cret"));
         let (mut c, mut cs) = c.unwrap();
         let (mut a, mut as_) = agreed(a);
         assert_eq!((c.peer, a.peer), (0, 5));
@@ -657,8 +657,8 @@ mod tests {
 
     #[test]
     fn a_wrong_job_and_a_wrong_secret_get_the_same_answer() {
-        let (c1, a1) = pair(cred("job", "guess"), cred("job", "s3cret"));
-        let (c2, a2) = pair(cred("other", "s3cret"), cred("job", "s3cret"));
+        let (c1, a1) = pair(terms("job", "guess"), terms("job", "s3cret"));
+        let (c2, a2) = pair(terms("other", "s3cret"), terms("job", "s3cret"));
         for a in [&a1, &a2] {
             assert!(matches!(a, Err(TransportError::Handshake(_))));
         }
@@ -696,11 +696,11 @@ mod tests {
 
     #[test]
     fn a_sealed_message_is_bound_to_its_connection() {
-        let (c, a) = pair(cred("job", "s3cret"), cred("job", "s3cret"));
+        let (c, a) = pair(terms("job", "s3cret"), terms("job", "s3cret"));
         let (mut c, mut cs) = c.unwrap();
         let (mut a, mut as_) = agreed(a);
         // A message sealed on another connection of the same job is refused.
-        let (c2, _a2) = pair(cred("job", "s3cret"), cred("job", "s3cret"));
+        let (c2, _a2) = pair(terms("job", "s3cret"), terms("job", "s3cret"));
         let (mut other, _) = c2.unwrap();
         let mut forged = Vec::new();
         other.send(&mut forged, b"registration").unwrap();
@@ -721,7 +721,7 @@ mod tests {
         let t = std::thread::spawn(move || {
             let (s, _) = l.accept().unwrap();
             let mut d = Deadlined::new(&s, Instant::now() + Duration::from_millis(300));
-            accept(&mut d, 0, &cred("job", "s"))
+            accept(&mut d, 0, &terms("job", "s"))
         });
         let mut s = TcpStream::connect(addr).unwrap();
         // One byte every 100 ms: each read succeeds, the whole never completes in time.

@@ -665,17 +665,21 @@ fn connect_to(
     deadline: Instant,
 ) -> Result<(TcpStream, Session), TransportError> {
     let me = cfg.rank;
-    let failed = |why: String| TransportError::Peer {
-        peer,
-        message: format!("rank {me}, connecting to it at {addr}: {why}"),
-    };
-    let (session, st) =
-        call(addr, me, &cfg.terms(), deadline).map_err(|e| failed(e.to_string()))?;
+    let context = |why: String| format!("rank {me}, connecting to rank {peer} at {addr}: {why}");
+    let (session, st) = call(addr, me, &cfg.terms(), deadline).map_err(|e| match e {
+        // A refused handshake is a matter of credentials or settings, not of the peer's
+        // health: it stays a handshake error (and blames no peer).
+        TransportError::Handshake(why) => TransportError::Handshake(context(why)),
+        other => TransportError::Peer {
+            peer,
+            message: context(other.to_string()),
+        },
+    })?;
     if session.peer != peer {
-        return Err(failed(format!(
+        return Err(TransportError::Handshake(context(format!(
             "rank {} answered there instead",
             session.peer
-        )));
+        ))));
     }
     Ok((st, session))
 }

@@ -71,7 +71,7 @@ impl Writer {
             .name(format!("wagma-tcp-{me}->{peer}"))
             .spawn(move || {
                 let _end = end_tx;
-                let socket = Progress {
+                let socket = StampedSocket {
                     st,
                     last: Arc::clone(&busy),
                     origin,
@@ -206,19 +206,19 @@ fn stamp(origin: Instant) -> u64 {
 }
 
 /// The socket under a writer's buffer: notes the time of every write that takes bytes.
-struct Progress {
+struct StampedSocket {
     st: TcpStream,
     last: Arc<AtomicU64>,
     origin: Instant,
 }
 
-impl Progress {
+impl StampedSocket {
     fn mark(&self) {
         self.last.store(stamp(self.origin), Ordering::Release);
     }
 }
 
-impl Write for Progress {
+impl Write for StampedSocket {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let n = self
             .st
@@ -235,7 +235,7 @@ impl Write for Progress {
 }
 
 fn write_one(
-    out: &mut BufWriter<Progress>,
+    out: &mut BufWriter<StampedSocket>,
     mac: &mut Option<FrameMac>,
     env: &Envelope,
     max_frame: u64,
