@@ -11,7 +11,13 @@ use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// One job at a time: four jobs of 3-8 training ranks each at once on a 2-core machine could
+/// starve a healthy rank past the seconds-long timeouts these tests use, and it would be
+/// reported lost.
+static ONE_JOB_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// Starts `n` ranks of `wagma ARGS` over TCP; each rank's stderr goes to `dir/rank-R.log`.
 /// Rank 0 binds its rendezvous on port 0 and writes the address it got to a file; the others
@@ -195,6 +201,7 @@ fn kill_one(rep: u64, ranks: usize, timeout_s: u64) -> KillOutcome {
 
 #[test]
 fn killing_a_tcp_rank_stops_every_survivor_with_an_error_naming_it() {
+    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let reps = stress_reps(2);
     let ranks = 4;
     let mut total = KillOutcome::default();
@@ -215,6 +222,7 @@ fn killing_a_tcp_rank_stops_every_survivor_with_an_error_naming_it() {
 
 #[test]
 fn a_stopped_tcp_rank_is_declared_lost_within_the_timeout() {
+    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // SIGSTOP freezes the whole process, its engine thread too: its heartbeats stop and the
     // others give up on it after the timeout.
     let dir = tmp("stop");
@@ -265,6 +273,7 @@ fn outcome(out: &Path) -> (f64, u64) {
 
 #[test]
 fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
+    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (ranks, steps) = (8, 600);
     // Checkpoints every 100 iterations: those after the loss hold the living ranks.
     let extra = ["--elastic", "--timeout", "20", "--checkpoint-every", "100"];
@@ -354,6 +363,7 @@ fn alive_at_evaluations(out: &Path) -> Vec<(u64, u64)> {
 
 #[test]
 fn a_restarted_rank_rejoins_an_elastic_job_at_a_global_average() {
+    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let reps = stress_reps(1);
     for rep in 0..reps {
         rejoin_once(rep, Down::Killed);
