@@ -744,6 +744,23 @@ impl Link {
             .is_some_and(|c| c.load(Ordering::Acquire))
     }
 
+    /// Claims `peer`'s slot for a new connection: true for exactly one caller while no reader
+    /// delivers from it (two processes rejoining as one rank at once cannot both be taken).
+    /// A claim whose connection then fails to open is given back with [`Link::release`].
+    fn claim(&self, peer: Rank) -> bool {
+        self.connected.get(peer).is_some_and(|c| {
+            c.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        })
+    }
+
+    /// Gives back a claim whose connection did not open.
+    fn release(&self, peer: Rank) {
+        if let Some(c) = self.connected.get(peer) {
+            c.store(false, Ordering::Release);
+        }
+    }
+
     /// Starts the thread that delivers what `peer` sends on `reader` into the inbox, until
     /// the connection is lost.
     fn read(&self, peer: Rank, reader: Reader) -> Result<(), TransportError> {
@@ -815,6 +832,29 @@ impl Link {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_slot_is_claimed_by_one_connection_at_a_time() {
+        let (inbox, _rx) = crossbeam_channel::unbounded();
+        let link = Link {
+            me: 0,
+            inbox,
+            io_timeout: Duration::from_secs(1),
+            max_frame: 1 << 20,
+            connected: (0..3).map(|_| AtomicBool::new(false)).collect(),
+            queued: (0..3).map(|_| AtomicUsize::new(0)).collect(),
+            integrity: false,
+        };
+        // Two processes rejoining as rank 1 at once: only the first is taken.
+        assert!(link.claim(1));
+        assert!(!link.claim(1));
+        assert!(link.is_connected(1));
+        // Its connection failed to open: the slot is free again.
+        link.release(1);
+        assert!(!link.is_connected(1));
+        assert!(link.claim(1));
+        assert!(!link.claim(3), "no such rank");
+    }
 
     #[test]
     fn a_failed_connection_to_a_peer_names_both_ranks_and_the_address() {

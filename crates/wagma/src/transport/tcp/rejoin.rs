@@ -109,17 +109,17 @@ pub(super) fn serve_peers(
                 );
                 return;
             }
-            if link.is_connected(peer) {
-                tracing::warn!(
-                    rank = me,
-                    peer,
-                    "refused a rejoin of rank {peer}, which is alive"
-                );
-                return;
-            }
             let Some(adopted) = target.upgrade() else {
                 return;
             };
+            if !link.claim(peer) {
+                tracing::warn!(
+                    rank = me,
+                    peer,
+                    "refused a rejoin of rank {peer}, which is alive or being taken by another"
+                );
+                return;
+            }
             // The write half is in place before anything the peer sends is read: an engine
             // that has heard from the new process answers it on the new connection.
             let opened = link.split(c.stream, &c.session).and_then(|(w, r)| {
@@ -128,7 +128,10 @@ pub(super) fn serve_peers(
             });
             match opened {
                 Ok(()) => tracing::info!(rank = me, peer, "rank {peer} reconnected"),
-                Err(e) => tracing::warn!(rank = me, peer, error = %e, "a reconnection failed"),
+                Err(e) => {
+                    link.release(peer);
+                    tracing::warn!(rank = me, peer, error = %e, "a reconnection failed");
+                }
             }
         },
     )?;
