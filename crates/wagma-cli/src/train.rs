@@ -483,38 +483,71 @@ fn algorithm(a: &Args) -> anyhow::Result<Algorithm> {
     Ok(alg)
 }
 
-/// The options of one algorithm that `a` sets to something else than their defaults.
-fn algorithm_options(a: &Args) -> [(&'static str, bool, &'static str); 11] {
+/// An option that one algorithm reads and the others ignore.
+struct AlgorithmOption {
+    flag: &'static str,
+    /// Set to something else than its default.
+    given: bool,
+    /// The algorithm that reads it, by name and by kind.
+    of: &'static str,
+    reads: fn(&Algorithm) -> bool,
+}
+
+/// The options of one algorithm, as `a` sets them.
+fn algorithm_options(a: &Args) -> [AlgorithmOption; 11] {
     let non_default = |x: Option<&str>, default: &str| x.is_some_and(|v| v != default);
+    let option = |flag, given, of, reads| AlgorithmOption {
+        flag,
+        given,
+        of,
+        reads,
+    };
+    let wagma: fn(&Algorithm) -> bool = |x| matches!(x, Algorithm::Wagma(_));
+    let sgp: fn(&Algorithm) -> bool = |x| matches!(x, Algorithm::Sgp { .. });
+    let eager: fn(&Algorithm) -> bool = |x| matches!(x, Algorithm::EagerSgd { .. });
     [
-        ("--tau", a.tau.is_some(), "wagma"),
-        ("--group-size", a.group_size.is_some(), "wagma"),
-        (
+        option("--tau", a.tau.is_some(), "wagma", wagma),
+        option("--group-size", a.group_size.is_some(), "wagma", wagma),
+        option(
             "--combine",
             non_default(a.combine.as_deref(), "paper"),
             "wagma",
+            wagma,
         ),
-        (
+        option(
             "--groups",
             non_default(a.groups.as_deref(), "butterfly"),
             "wagma",
+            wagma,
         ),
-        ("--blocking", a.blocking == Some(true), "wagma"),
-        ("--period", a.period.is_some_and(|h| h != 1), "local-sgd"),
-        ("--peers", a.peers.is_some_and(|n| n != 1), "sgp"),
-        (
+        option("--blocking", a.blocking == Some(true), "wagma", wagma),
+        option(
+            "--period",
+            a.period.is_some_and(|h| h != 1),
+            "local-sgd",
+            |x| matches!(x, Algorithm::LocalSgd { .. }),
+        ),
+        option("--peers", a.peers.is_some_and(|n| n != 1), "sgp", sgp),
+        option(
             "--sgp-offsets",
             a.sgp_offsets.is_some_and(|o| o != PeerOffsets::default()),
             "sgp",
+            sgp,
         ),
-        ("--eager-sync", a.eager_sync.is_some(), "eager-sgd"),
-        (
+        option("--eager-sync", a.eager_sync.is_some(), "eager-sgd", eager),
+        option(
             "--late-gradients",
             a.late_gradients
                 .is_some_and(|l| l != LateGradients::default()),
             "eager-sgd",
+            eager,
         ),
-        ("--ad-psgd-gossip", a.ad_psgd_gossip.is_some(), "ad-psgd"),
+        option(
+            "--ad-psgd-gossip",
+            a.ad_psgd_gossip.is_some(),
+            "ad-psgd",
+            |x| matches!(x, Algorithm::AdPsgd { .. }),
+        ),
     ]
 }
 
@@ -524,26 +557,20 @@ fn algorithm_options(a: &Args) -> [(&'static str, bool, &'static str); 11] {
 /// algorithms may hold them all).
 fn check_algorithm_options(cli: &Args, merged: &Args) -> anyhow::Result<()> {
     let alg = Algorithm::from_name(merged.algo.as_deref().unwrap_or("wagma"))?;
-    let applies = |to: &str| match to {
-        "wagma" => matches!(alg, Algorithm::Wagma(_)),
-        "local-sgd" => matches!(alg, Algorithm::LocalSgd { .. }),
-        "sgp" => matches!(alg, Algorithm::Sgp { .. }),
-        "eager-sgd" => matches!(alg, Algorithm::EagerSgd { .. }),
-        _ => matches!(alg, Algorithm::AdPsgd { .. }),
-    };
     let on_command_line = algorithm_options(cli);
-    for (i, (flag, given, to)) in algorithm_options(merged).into_iter().enumerate() {
-        if !given || applies(to) {
+    for (o, cli) in algorithm_options(merged).iter().zip(&on_command_line) {
+        if !o.given || (o.reads)(&alg) {
             continue;
         }
-        if on_command_line[i].1 {
+        let (flag, of) = (o.flag, o.of);
+        if cli.given {
             bail!(
-                "{flag} applies to {to}, not to {} (remove it, or choose {to} with --algo)",
+                "{flag} applies to {of}, not to {} (remove it, or choose {of} with --algo)",
                 alg.label()
             );
         }
         eprintln!(
-            "warning: the configuration file's {} applies to {to}, not to {}; ignored",
+            "warning: the configuration file's {} applies to {of}, not to {}; ignored",
             flag.trim_start_matches('-'),
             alg.label()
         );
@@ -792,9 +819,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let a = args.clone().merged()?;
     check_algorithm_options(&args, &a)?;
     let mut c = config(&a)?;
-    let summary = execute_with(&mut c, |c, train_len| {
-        set_steps(&a, c, Some(train_len))?;
-        Ok(c.validate()?)
+    // Only epochs depend on the data's size; the trainer validates what results.
+    let summary = execute_with(&mut c, |c, train_len| match a.epochs {
+        Some(_) => set_steps(&a, c, Some(train_len)),
+        None => Ok(()),
     })?;
     print_summary(&summary, &c);
     Ok(())

@@ -31,19 +31,20 @@ pub mod pool {
     /// A vector of `len` elements whose values are unspecified (what a recycled buffer held,
     /// zeros beyond), to receive into without clearing it first.
     pub fn take_scratch(len: usize) -> Vec<f32> {
-        let mut v = take_any(len);
-        v.truncate(len);
-        v.resize(len, 0.0);
-        v
+        of_length(take_any(len), len)
     }
 
     /// Like [`take_scratch`], but only from a buffer the pool already holds: `None` when it
     /// holds none that fits, and nothing is allocated.
     pub fn take_recycled(len: usize) -> Option<Vec<f32>> {
-        let mut v = take_held(len)?;
+        take_held(len).map(|v| of_length(v, len))
+    }
+
+    /// `v` cut or padded with zeros to `len` elements (what it held stays).
+    fn of_length(mut v: Vec<f32>, len: usize) -> Vec<f32> {
         v.truncate(len);
         v.resize(len, 0.0);
-        Some(v)
+        v
     }
 
     /// A recycled buffer with room for `len` elements, as it was handed back.

@@ -535,37 +535,13 @@ impl Engine {
         let dims = edges.clone().fold(0, |m, e| m | 1 << e.dim);
         let sent_before = self.activations_sent.mark(seq, dims);
         for e in edges.filter(|e| sent_before & (1 << e.dim) == 0) {
-            self.activate_through(now, seq, root, e.rank, e.dim, out);
+            self.send_activation(now, seq, root, e.rank, e.dim, out);
         }
     }
 
     /// Sends the activation on the edge to `to` (reached on `dim`); when `to` was declared
     /// dead (elastic mode), sends what it would have forwarded in its place, so that the ranks
     /// below it in the tree are still activated and take part passively.
-    fn activate_through(
-        &mut self,
-        now: Time,
-        seq: u64,
-        root: Rank,
-        to: Rank,
-        dim: u32,
-        out: &mut Vec<Action>,
-    ) {
-        if !self.dead.contains(to) {
-            self.send_activation(now, seq, root, to, dim, out);
-            return;
-        }
-        // Its edges lie on higher dimensions only, so this ends within log2(P) levels.
-        for e in activation_edges(to, self.ranks, Some(dim)) {
-            if e.rank == self.rank {
-                // This rank is below the dead one: it forwards from that dimension on.
-                self.forward_activation(now, seq, root, Some(e.dim), out);
-            } else {
-                self.activate_through(now, seq, root, e.rank, e.dim, out);
-            }
-        }
-    }
-
     fn send_activation(
         &mut self,
         now: Time,
@@ -575,6 +551,18 @@ impl Engine {
         dim: u32,
         out: &mut Vec<Action>,
     ) {
+        if self.dead.contains(to) {
+            // Its edges lie on higher dimensions only, so this ends within log2(P) levels.
+            for e in activation_edges(to, self.ranks, Some(dim)) {
+                if e.rank == self.rank {
+                    // This rank is below the dead one: it forwards from that dimension on.
+                    self.forward_activation(now, seq, root, Some(e.dim), out);
+                } else {
+                    self.send_activation(now, seq, root, e.rank, e.dim, out);
+                }
+            }
+            return;
+        }
         self.stats.activations_sent += 1;
         if self.tracer.enabled() {
             let (_, round) = split_seq(seq);

@@ -174,18 +174,13 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
         // round, and is received into whole; its values are overwritten in full (or it is
         // dropped on error), so it need not be cleared. Otherwise memory is touched only as
         // bytes arrive.
-        let pooled = if payload_bytes <= RESERVE_LIMIT {
-            crate::payload::pool::take_recycled(count)
+        let mut v: Vec<f32> = if payload_bytes > RESERVE_LIMIT {
+            Vec::with_capacity(CHUNK / 4)
+        } else if let Some(mut v) = crate::payload::pool::take_recycled(count) {
+            exact(r, bytemuck::cast_slice_mut(&mut v))?;
+            v
         } else {
-            None
-        };
-        let mut v: Vec<f32> = match pooled {
-            Some(mut v) => {
-                exact(r, bytemuck::cast_slice_mut(&mut v))?;
-                v
-            }
-            None if payload_bytes <= RESERVE_LIMIT => Vec::with_capacity(count),
-            None => Vec::with_capacity(CHUNK / 4),
+            Vec::with_capacity(count)
         };
         while v.len() < count {
             let at = v.len();

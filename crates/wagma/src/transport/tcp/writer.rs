@@ -192,8 +192,7 @@ impl Drop for Writer {
     /// Writes what is queued, waiting at most the linger time, then closes the socket (which
     /// also ends a write still blocked).
     fn drop(&mut self) {
-        drop(self.jobs.take());
-        let _ = self.ended.recv_timeout(self.linger);
+        close_all(std::iter::once(&mut *self));
         let _ = self.socket.shutdown(std::net::Shutdown::Both);
     }
 }
