@@ -33,12 +33,15 @@ const ALGOS: [&[&str]; 2] = [
     ],
 ];
 
-/// `wagma train` options of the run of `algo`, without the transport.
+/// `wagma train` options of the run of `algo`, without the transport. The CNN is wide enough
+/// (442K parameters) that a pair's parts are large enough for TCP to fold them as they arrive.
 fn train_args(algo: &[&str], out: &Path) -> Vec<String> {
     let mut v: Vec<String> = ["train"]
         .iter()
         .chain(algo)
         .chain(&[
+            "--width",
+            "64",
             "--steps",
             "12",
             "--eval-every",

@@ -121,6 +121,28 @@ impl Drop for SharedBuffer {
     }
 }
 
+/// A read-only range of a shared buffer that does not keep the buffer alive: it can be
+/// read only while some [`Payload::Shared`] still holds it.
+#[derive(Debug, Clone)]
+pub struct WeakView(std::sync::Weak<SharedBuffer>, Range<usize>);
+
+impl WeakView {
+    /// The view, if the buffer is still held.
+    pub fn upgrade(&self) -> Option<Payload> {
+        self.0.upgrade().map(|a| Payload::Shared(a, self.1.clone()))
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.1.len()
+    }
+
+    /// True for an empty range.
+    pub fn is_empty(&self) -> bool {
+        self.1.is_empty()
+    }
+}
+
 /// A buffer of `f32` values, a read-only view of a shared one, or in simulations just a length.
 #[derive(Debug, Clone)]
 pub enum Payload {
@@ -232,6 +254,14 @@ impl Payload {
         }
     }
 
+    /// A view of this shared range that does not keep it alive; `None` unless shared.
+    pub fn downgrade(&self) -> Option<WeakView> {
+        match self {
+            Payload::Shared(a, r) => Some(WeakView(Arc::downgrade(a), r.clone())),
+            _ => None,
+        }
+    }
+
     /// Consumes the buffer, returning its values (empty for a virtual buffer).
     pub fn into_vec(self) -> Vec<f32> {
         match self {
@@ -274,11 +304,7 @@ impl Payload {
             return Payload::Size(a.len());
         }
         let mut v = pool::take(a.len());
-        let pairs = a.as_slice().iter().zip(b.as_slice());
-        match op {
-            Reduce::Sum => v.extend(pairs.map(|(x, y)| x + y)),
-            Reduce::Max => v.extend(pairs.map(|(&x, &y)| Reduce::max(x, y))),
-        }
+        op.extend(&mut v, a.as_slice(), b.as_slice());
         Payload::Data(v)
     }
 
@@ -360,6 +386,15 @@ pub enum Reduce {
 impl Reduce {
     fn max(x: f32, y: f32) -> f32 {
         if y.total_cmp(&x).is_gt() { y } else { x }
+    }
+
+    /// Appends `a[i] op b[i]` to `out` for every `i` of the shorter of the two.
+    pub fn extend(self, out: &mut Vec<f32>, a: &[f32], b: &[f32]) {
+        let pairs = a.iter().zip(b);
+        match self {
+            Reduce::Sum => out.extend(pairs.map(|(x, y)| x + y)),
+            Reduce::Max => out.extend(pairs.map(|(&x, &y)| Reduce::max(x, y))),
+        }
     }
 }
 

@@ -364,6 +364,7 @@ fn a_restarted_rank_reconnects_to_every_living_peer() {
     let recv = |rx: &crossbeam_channel::Receiver<Incoming>| {
         rx.recv_timeout(Duration::from_secs(10))
             .expect("a delivery")
+            .map(|d| d.env)
     };
     // While rank 2 is alive, nobody may take its place.
     let e = open(cfg(2, true))
@@ -587,6 +588,7 @@ fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
     let recv = || {
         rx0.recv_timeout(Duration::from_secs(10))
             .expect("a delivery")
+            .map(|d| d.env)
     };
     for seq in 0..3 {
         t1.send(0, note(1, seq)).unwrap();
@@ -650,6 +652,7 @@ fn a_peer_that_floods_the_inbox_is_reported_lost() {
     let recv = || {
         rx0.recv_timeout(Duration::from_secs(30))
             .expect("a delivery")
+            .map(|d| d.env)
     };
     // An engine that takes what arrives keeps the queue short, however much comes.
     let n = 2 * MAX_QUEUED_PER_PEER as u64;
@@ -718,7 +721,7 @@ fn a_stalled_peer_delays_only_what_goes_to_it() {
             let got = rx2
                 .recv_timeout(Duration::from_secs(30))
                 .expect("a delivery");
-            assert_eq!(got.expect("a message").tag.seq, seq);
+            assert_eq!(got.expect("a message").env.tag.seq, seq);
         }
         if Instant::now() > deadline {
             break;
@@ -736,7 +739,131 @@ fn a_stalled_peer_delays_only_what_goes_to_it() {
     let got = rx2
         .recv_timeout(Duration::from_secs(30))
         .expect("a delivery")
-        .expect("a message");
+        .expect("a message")
+        .env;
     assert_eq!((got.from, got.tag.seq), (0, 7));
     drop(rx1);
+}
+
+#[test]
+fn a_part_asked_for_is_folded_as_it_arrives_with_or_without_frame_tags() {
+    use wagma::payload::Reduce;
+    use wagma::transport::{Fold, Transport};
+    let len = (1 << 18) + 5;
+    for integrity in [false, true] {
+        let name = if integrity { "fold-tagged" } else { "fold" };
+        let (mut t0, rx0, mut t1) = two_ranks(name, |c| c.frame_integrity = integrity);
+        assert!(t0.folds());
+        let mut mine = Payload::Data(model(0, 1, len));
+        let own = mine.view(0..len);
+        for (seq, op) in [(1, Reduce::Sum), (2, Reduce::Max)] {
+            let mut env = note(1, seq);
+            env.data = Payload::Data(model(1, seq, len));
+            let theirs = env.data.clone();
+            // Asked for before the message is sent: the reader folds it.
+            let fold = Fold {
+                tag: env.tag,
+                own: own.downgrade().expect("a view is shared"),
+                op,
+            };
+            t0.fold(1, fold);
+            t1.send(0, env).unwrap();
+            let got = rx0
+                .recv_timeout(Duration::from_secs(30))
+                .expect("a delivery")
+                .expect("a message");
+            // As the engine's executor does: it may hold a fold only while nothing from
+            // the peer waits in the inbox.
+            t0.taken(1);
+            assert!(got.folded, "{name} {op:?}");
+            let want = Payload::reduce_of(&own, &theirs, op);
+            assert_eq!(got.env.data, want, "{name} {op:?}");
+        }
+        // Not asked for: it arrives as sent.
+        t1.send(0, note(1, 3)).unwrap();
+        let got = rx0
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a delivery")
+            .expect("a message");
+        assert!(!got.folded);
+        assert_eq!(got.env.data, note(1, 3).data);
+    }
+}
+
+/// Every result of a few allreduces large enough to be folded as they arrive, as bits, and
+/// how many received parts were.
+async fn large_allreduces(c: &mut wagma::Comm) -> Result<(Vec<Vec<u32>>, u64), Error> {
+    use wagma::schedule::{AlgorithmChoice, AllreduceAlgorithm};
+    let (p, rank) = (c.size(), c.rank());
+    let everyone: Vec<usize> = (0..p).collect();
+    // A quarter of it (a part of reduce-scatter at P = 4) is still large enough.
+    let len = (1 << 18) + 5;
+    let mut bits = Vec::new();
+    for (seq, algorithm) in [
+        AllreduceAlgorithm::RecursiveDoubling,
+        AllreduceAlgorithm::ReduceScatterAllgather,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let choice = AlgorithmChoice {
+            algorithm,
+            ..AlgorithmChoice::default()
+        };
+        let data = Payload::Data(model(rank, seq as u64, len));
+        let got = c
+            .allreduce_with(&everyone, seq as u64, data, 0, &choice)
+            .await?;
+        bits.push(got.data.as_slice().iter().map(|x| x.to_bits()).collect());
+    }
+    let max = c.allreduce_max(Payload::Data(model(rank, 7, len))).await?;
+    bits.push(max.as_slice().iter().map(|x| x.to_bits()).collect());
+    Ok((bits, c.engine_stats().await?.folded_on_arrival))
+}
+
+#[test]
+fn parts_folded_as_they_arrive_give_the_in_process_bits() {
+    let p = 4;
+    let cred = job_credentials("fold-job");
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, p, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(60);
+        c
+    };
+    let dir = TempDir::new("tcp-fold-job");
+    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    let others: Vec<_> = (1..p)
+        .map(|rank| {
+            let cfg = config(rank, &rdv);
+            std::thread::spawn(move || {
+                let (tx, rx) = crossbeam_channel::unbounded();
+                wagma::transport::tcp::connect(&cfg, tx).map(|t| (t, rx))
+            })
+        })
+        .collect();
+    type Net = Vec<(
+        Box<dyn wagma::transport::Transport + Send>,
+        crossbeam_channel::Receiver<wagma::transport::Incoming>,
+    )>;
+    let mut net: Net = vec![(Box::new(rank0.join().unwrap().unwrap()), rx0)];
+    for h in others {
+        let (t, rx) = h.join().unwrap().unwrap();
+        net.push((Box::new(t), rx));
+    }
+    let tcp = threaded::run_on(net, EngineConfig::default(), large_allreduces)
+        .unwrap()
+        .into_all()
+        .unwrap();
+    let mem = threaded::run(p, EngineConfig::default(), large_allreduces)
+        .unwrap()
+        .into_all()
+        .unwrap();
+    // Whether a part is folded depends on whether it came before the phase that sums it
+    // started; the bits must not.
+    for (rank, ((over_tcp, _), (in_process, none))) in tcp.iter().zip(&mem).enumerate() {
+        assert!(over_tcp == in_process, "rank {rank}: the bits differ");
+        assert_eq!(*none, 0, "the in-process transport folds nothing");
+    }
+    let folded: u64 = tcp.iter().map(|(_, f)| f).sum();
+    eprintln!("{folded} of the received parts were folded as they arrived");
 }

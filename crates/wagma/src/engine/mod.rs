@@ -31,7 +31,7 @@ use crate::error::{Error, Op};
 use crate::payload::Payload;
 use crate::schedule::{AlgorithmChoice, Schedule};
 use crate::trace::{ENGINE, TraceEvent, Tracer};
-use crate::transport::{Contribution, Envelope, Kind, Meta, Tag};
+use crate::transport::{Contribution, Envelope, Fold, Kind, Meta, Tag};
 
 const CONTROL_BYE: u16 = 0;
 const CONTROL_ABORT: u16 = 1;
@@ -221,8 +221,9 @@ pub enum Response {
     Delta(Payload),
     /// A gossip mix.
     Mixed(Payload),
-    /// Counters.
-    Stats(EngineStats),
+    /// Counters (boxed: the largest answer by far, it would size every [`Action`] the
+    /// simulator moves).
+    Stats(Box<EngineStats>),
     /// Timeline events.
     Trace(Vec<TraceEvent>),
     /// A joiner's welcome.
@@ -252,6 +253,28 @@ pub enum Action {
     Disconnect {
         /// The dead peer.
         peer: Rank,
+    },
+}
+
+/// What an engine asks of a transport that folds received parts as they arrive
+/// ([`Engine::fold_on_arrival`], [`crate::transport::Transport::fold`]). Kept apart from the
+/// [`Action`]s, which the simulator handles by the million: it never asks for these.
+#[derive(Debug)]
+pub enum FoldRequest {
+    /// A message from `from` is expected, to be combined with this rank's own part as `fold`
+    /// says.
+    Ask {
+        /// The sender.
+        from: Rank,
+        /// The expected message and how it combines.
+        fold: Fold,
+    },
+    /// The message of an earlier request arrived without it: drop the request.
+    Withdraw {
+        /// The sender.
+        from: Rank,
+        /// The message's tag.
+        tag: Tag,
     },
 }
 
@@ -286,6 +309,10 @@ pub struct EngineStats {
     /// Messages from peers declared dead, dropped on arrival (elastic mode).
     #[serde(default)]
     pub dropped_from_dead: u64,
+    /// Received messages the transport had already combined with this rank's part as they
+    /// arrived ([`FoldRequest`]).
+    #[serde(default)]
+    pub folded_on_arrival: u64,
 }
 
 /// The lists a schedule's phase fills (its sends, the parts it reduces), kept for their capacity.
@@ -335,6 +362,9 @@ pub struct Engine {
     welcome: Option<Box<Welcome>>,
     /// This rank announced a rejoin and waits for its welcome.
     rejoining: bool,
+    /// Requests for a transport that folds received parts as they arrive, not yet taken
+    /// (`None`: not asked for).
+    fold_requests: Option<Vec<FoldRequest>>,
     welcome_waiter: Option<Box<join::WelcomeWaiter>>,
     failed: Option<Box<Error>>,
     stats: EngineStats,
@@ -367,6 +397,7 @@ impl Engine {
             joining: RankSet::default(),
             welcome: None,
             rejoining: false,
+            fold_requests: None,
             welcome_waiter: None,
             failed: None,
             stats: EngineStats::default(),
@@ -376,6 +407,23 @@ impl Engine {
             iteration: 0,
             tracer: Tracer::new(rank, cfg.trace),
         }
+    }
+
+    /// Ask, through [`Engine::drain_fold_requests`], that a received part be folded into
+    /// this rank's own as it arrives, wherever a phase combines one large part (at least 256
+    /// KiB) with its own alone and the part is not here yet: for a transport that can
+    /// ([`Transport::folds`]). Off by default: sharing the own part for a fold that never
+    /// happens would cost a transport that cannot (its sum would no longer be made in place).
+    ///
+    /// [`Transport::folds`]: crate::transport::Transport::folds
+    pub fn fold_on_arrival(&mut self, on: bool) {
+        self.fold_requests = on.then(Vec::new);
+    }
+
+    /// The fold requests made since the last call, in order; hand them to the transport
+    /// before the actions of the same call (a request precedes the sends its answer follows).
+    pub fn drain_fold_requests(&mut self) -> impl Iterator<Item = FoldRequest> + '_ {
+        self.fold_requests.iter_mut().flat_map(|q| q.drain(..))
     }
 
     /// This engine's rank.
@@ -498,11 +546,11 @@ impl Engine {
                 self.await_welcome(now, id, timeout, out);
                 return;
             }
-            Request::Stats => Ok(Response::Stats(EngineStats {
+            Request::Stats => Ok(Response::Stats(Box::new(EngineStats {
                 dead: self.dead(),
                 joining: self.joining.iter().collect(),
                 ..self.stats.clone()
-            })),
+            }))),
             Request::TakeTrace => Ok(Response::Trace(self.tracer.take())),
         };
         out.push(Action::Complete { id, result });
@@ -512,6 +560,17 @@ impl Engine {
 
     /// Handles a message from a peer.
     pub fn on_message(&mut self, now: Time, env: Envelope, out: &mut Vec<Action>) {
+        self.receive(now, env, false, out);
+    }
+
+    /// Handles a message from a peer whose payload the transport already combined with this
+    /// rank's own part, as a [`FoldRequest::Ask`] asked.
+    pub fn on_folded_message(&mut self, now: Time, env: Envelope, out: &mut Vec<Action>) {
+        self.receive(now, env, true, out);
+    }
+
+    #[inline]
+    fn receive(&mut self, now: Time, env: Envelope, folded: bool, out: &mut Vec<Action>) {
         if self.failed.is_some() {
             return;
         }
@@ -525,6 +584,7 @@ impl Engine {
             self.stats.dropped_from_dead += 1;
             return;
         }
+        self.stats.folded_on_arrival += u64::from(folded);
         let beat = (env.tag.kind == Kind::Control && env.tag.step == liveness::CONTROL_HEARTBEAT)
             .then_some(env.meta.aux);
         self.heard_from(now, env.from, beat);
@@ -551,7 +611,7 @@ impl Engine {
                     return;
                 }
             }
-            _ => match self.deliver(env) {
+            _ => match self.deliver(env, folded) {
                 Err(e) => {
                     self.fail(e, out);
                     return;
@@ -892,15 +952,32 @@ impl Engine {
 
     /// Matches a message to a running schedule, or keeps it for later; the sender comes back
     /// when it has more messages waiting than any correct peer could have sent ahead.
-    fn deliver(&mut self, env: Envelope) -> Result<Option<Rank>, Error> {
+    fn deliver(&mut self, env: Envelope, folded: bool) -> Result<Option<Rank>, Error> {
         let rank = self.rank;
         for r in &mut self.running {
             if r.kind == env.tag.kind && r.seq == env.tag.seq {
-                return Ok(match r.accept(rank, env)? {
-                    None => None,
-                    Some(env) => self.keep(env),
-                });
+                // Kept only while a fold may have to be withdrawn.
+                let sender =
+                    (self.fold_requests.is_some() && !folded).then_some((env.from, env.tag));
+                return match r.accept(rank, env, folded)? {
+                    None => {
+                        // Its phase asked for a fold that came too late for it: left in
+                        // place, it could catch a later message that reuses the tag.
+                        if let Some((from, tag)) = sender
+                            && r.fold_unused()
+                            && let Some(q) = &mut self.fold_requests
+                        {
+                            q.push(FoldRequest::Withdraw { from, tag });
+                        }
+                        Ok(None)
+                    }
+                    Some(env) if folded => Err(unawaited_fold(rank, r.op.clone(), env.from)),
+                    Some(env) => Ok(self.keep(env)),
+                };
             }
+        }
+        if folded {
+            return Err(unawaited_fold(rank, Op::Other("receiving"), env.from));
         }
         Ok(self.keep(env))
     }
@@ -1038,14 +1115,23 @@ impl Engine {
             let mut progressed = false;
             let mut i = 0;
             let mut scratch = PHASE_SCRATCH.take();
+            let folding = self.fold_requests.is_some();
+            let mut asked = None;
             while i < self.running.len() {
                 let step = {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
                     let dead = &self.dead;
                     let PhaseScratch { sends, reducing } = &mut scratch;
-                    self.running[i].advance(rank, unexpected, sends, dead, reducing)
+                    let fold = folding.then_some(&mut asked);
+                    self.running[i].advance(rank, unexpected, sends, fold, dead, reducing)
                 };
+                if folding
+                    && let Some((from, fold)) = asked.take()
+                    && let Some(q) = &mut self.fold_requests
+                {
+                    q.push(FoldRequest::Ask { from, fold });
+                }
                 for (to, env) in scratch.sends.drain(..) {
                     self.send(to, env, out);
                 }
@@ -1125,6 +1211,16 @@ fn stopped(rank: Rank, err: &Error) -> Error {
     Error::Stopped {
         rank,
         cause: Some(Box::new(err.clone())),
+    }
+}
+
+/// A transport folds a part only for the phase that asked for it, which waits for it: a folded
+/// part that no phase takes was folded for the wrong message.
+fn unawaited_fold(rank: Rank, op: Op, peer: Rank) -> Error {
+    Error::Protocol {
+        rank,
+        op,
+        detail: format!("a part from rank {peer} was folded on arrival but no phase waits for it"),
     }
 }
 

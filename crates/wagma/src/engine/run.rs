@@ -14,9 +14,9 @@ use crate::Rank;
 use crate::error::{Error, Op};
 use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
-use crate::schedule::{Combine, Schedule};
+use crate::schedule::{Combine, Schedule, Transfer};
 use crate::topology::subset_members;
-use crate::transport::{Contribution, Contributions, Envelope, Kind, Meta, Tag};
+use crate::transport::{Contribution, Contributions, Envelope, Fold, Kind, Meta, Tag};
 
 /// The ranks a schedule reduces over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,6 +187,21 @@ pub(super) enum Owner {
     Gossip,
 }
 
+/// Fewest elements of a received part worth asking the transport to fold as it arrives
+/// (256 KiB).
+const FOLD_MIN_ELEMENTS: usize = 1 << 16;
+
+/// Where the current phase stands with a fold of its one received part ([`Fold`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FoldState {
+    /// None asked for.
+    Unasked,
+    /// Asked for, the part not taken yet.
+    Asked,
+    /// The part came folded: it is the phase's result.
+    Folded,
+}
+
 /// The received parts and weights of a phase being reduced: empty between phases, kept only
 /// for their capacity (schedules reduce in many phases of equal shape).
 #[derive(Default)]
@@ -210,6 +225,8 @@ pub(super) struct Running {
     schedule: Arc<Schedule>,
     phase: usize,
     posted: bool,
+    /// Whether the current phase asked the transport to fold its one received part.
+    fold: FoldState,
     buf: WorkBuf,
     weight: f64,
     /// Carried and merged only for group rounds, where passive members make them informative.
@@ -254,6 +271,7 @@ impl Running {
             schedule,
             phase: 0,
             posted: false,
+            fold: FoldState::Unasked,
             buf: WorkBuf::new(buf),
             weight,
             contributions: OwnContributions::new(contributions),
@@ -335,8 +353,23 @@ impl Running {
         }
     }
 
+    /// Whether the current phase asked for a fold that its message, now taken, came without:
+    /// the request must be withdrawn (once).
+    pub fn fold_unused(&mut self) -> bool {
+        let unused = self.fold == FoldState::Asked;
+        if unused {
+            self.fold = FoldState::Unasked;
+        }
+        unused
+    }
+
     /// Takes `env` if the current phase waits for it; hands it back otherwise.
-    pub fn accept(&mut self, rank: Rank, mut env: Envelope) -> Result<Option<Envelope>, Error> {
+    pub fn accept(
+        &mut self,
+        rank: Rank,
+        mut env: Envelope,
+        folded: bool,
+    ) -> Result<Option<Envelope>, Error> {
         if !self.posted {
             return Ok(Some(env));
         }
@@ -359,10 +392,55 @@ impl Running {
             None => Ok(Some(env)),
             Some(i) => {
                 self.validate(rank, &mut env, phase.recvs[i].range.len())?;
+                if folded {
+                    self.took_folded(rank, env.from)?;
+                }
                 self.fill(i, env);
                 Ok(None)
             }
         }
+    }
+
+    /// The current phase's part came folded: its result. Only a phase that asked for it can
+    /// take one.
+    #[cold]
+    fn took_folded(&mut self, rank: Rank, from: Rank) -> Result<(), Error> {
+        if self.fold != FoldState::Asked {
+            return Err(Error::Protocol {
+                rank,
+                op: self.op.clone(),
+                detail: format!(
+                    "the part from rank {from} was folded on arrival, but this phase did not \
+                     ask for it"
+                ),
+            });
+        }
+        self.fold = FoldState::Folded;
+        Ok(())
+    }
+
+    /// Asks the transport (through `asked`) to fold the part `recv` of the phase just posted
+    /// into this rank's own as it arrives, if the part is large and real. (Fields apart: the
+    /// phase borrows the schedule.)
+    #[cold]
+    fn ask_fold(
+        buf: &mut WorkBuf,
+        fold: &mut FoldState,
+        from: Rank,
+        recv: &Transfer,
+        tag: Tag,
+        op: Reduce,
+        asked: &mut Option<(Rank, Fold)>,
+    ) {
+        if recv.range.len() < FOLD_MIN_ELEMENTS {
+            return;
+        }
+        // None for a virtual buffer.
+        let Some(own) = buf.view(recv.range.clone()).downgrade() else {
+            return;
+        };
+        *asked = Some((from, Fold { tag, own, op }));
+        *fold = FoldState::Asked;
     }
 
     /// Checks `env` against this run. A contribution list equal to this rank's own is taken
@@ -421,6 +499,7 @@ impl Running {
         rank: Rank,
         unexpected: &mut FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
+        mut fold: Option<&mut Option<(Rank, Fold)>>,
         dead: &RankSet,
         scratch: &mut ReduceScratch,
     ) -> Result<bool, Error> {
@@ -473,6 +552,7 @@ impl Running {
                         .collect();
                 }
                 self.posted = true;
+                self.fold = FoldState::Unasked;
                 // Nothing arrived early when the table is empty, and probing it would still
                 // read its buffer, cold in the simulator.
                 let early = if unexpected.is_empty() {
@@ -504,6 +584,21 @@ impl Running {
                         }
                     }
                 }
+                // One peer's part combined with this rank's, not here yet: the transport may
+                // combine it as it arrives. (At most one per call: the phase then waits.)
+                if let (Some(asked), Combine::Reduce(op), [r]) =
+                    (fold.as_deref_mut(), phase.combine, &phase.recvs[..])
+                    && self.got[0].is_none()
+                    && !self.absent[0]
+                {
+                    let tag = Tag {
+                        kind: self.kind,
+                        seq: self.seq,
+                        step: r.step,
+                    };
+                    let from = members.rank_at(r.peer);
+                    Self::ask_fold(&mut self.buf, &mut self.fold, from, r, tag, op, asked);
+                }
             }
             if self.waiting > 0 {
                 return Ok(false);
@@ -523,6 +618,7 @@ impl Running {
                     self.track.then_some(&mut self.contributions),
                     rank,
                     received,
+                    self.fold == FoldState::Folded,
                     scratch,
                     op,
                 ),
@@ -541,13 +637,16 @@ impl Running {
     }
 
     /// Folds the received ranges (all the same range) and the local one by `op` in ascending
-    /// rank order; the weights are summed.
+    /// rank order; the weights are summed. `folded`: the one received part is already the
+    /// result (the transport folded it on arrival).
+    #[allow(clippy::too_many_arguments)]
     fn reduce(
         buf: &mut WorkBuf,
         weight: &mut f64,
         mut contributions: Option<&mut OwnContributions>,
         rank: Rank,
         received: impl Iterator<Item = (Range<usize>, Envelope)>,
+        folded: bool,
         scratch: &mut ReduceScratch,
         op: Reduce,
     ) {
@@ -566,7 +665,13 @@ impl Running {
         };
         *weight = fold_weights(rank, *weight, weights);
         weights.clear();
-        buf.reduce(rank, range, operands, op);
+        // Asked for only where a phase receives one part.
+        debug_assert!(!folded || operands.len() == 1);
+        if folded && let Some((_, result)) = operands.pop() {
+            buf.replace(range, result);
+        } else {
+            buf.reduce(rank, range, operands, op);
+        }
     }
 
     fn copy(

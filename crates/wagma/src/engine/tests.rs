@@ -13,6 +13,15 @@ struct Net {
     sent: Vec<(Rank, Rank, Kind, u64)>,
     /// (rank, peer): the rank's engine asked to drop its connection to the peer.
     disconnected: Vec<(Rank, Rank)>,
+    /// Act as a transport asked to fold that only records what it is asked to, as if every
+    /// message came first (else it folds what it is asked to as it delivers it).
+    too_late: bool,
+    /// (rank, peer, fold): asked for and not yet used.
+    folds: Vec<(Rank, Rank, Fold)>,
+    /// Messages delivered folded.
+    folded: usize,
+    /// Folds withdrawn.
+    unfolded: usize,
 }
 
 impl Net {
@@ -27,6 +36,10 @@ impl Net {
             done: Vec::new(),
             sent: Vec::new(),
             disconnected: Vec::new(),
+            too_late: false,
+            folds: Vec::new(),
+            folded: 0,
+            unfolded: 0,
         }
     }
 
@@ -41,6 +54,22 @@ impl Net {
                 Action::Disconnect { peer } => self.disconnected.push((from, peer)),
             }
         }
+        let requests: Vec<_> = self.engines[from].drain_fold_requests().collect();
+        for request in requests {
+            match request {
+                FoldRequest::Ask { from: peer, fold } => self.folds.push((from, peer, fold)),
+                FoldRequest::Withdraw { from: peer, tag } => {
+                    let asked =
+                        |(r, p, f): &(Rank, Rank, Fold)| (*r, *p, f.tag) == (from, peer, tag);
+                    assert!(
+                        self.folds.iter().any(asked),
+                        "{from} withdrew a fold it never asked for"
+                    );
+                    self.folds.retain(|f| !asked(f));
+                    self.unfolded += 1;
+                }
+            }
+        }
     }
 
     fn request(&mut self, rank: Rank, id: ReqId, req: Request) {
@@ -52,11 +81,26 @@ impl Net {
     /// Delivers messages until none is left, or `limit` of them.
     fn pump(&mut self, limit: usize) {
         for _ in 0..limit {
-            let Some((to, env)) = self.wire.pop_front() else {
+            let Some((to, mut env)) = self.wire.pop_front() else {
                 return;
             };
+            let asked = self
+                .folds
+                .iter()
+                .position(|(r, p, f)| (*r, *p, f.tag) == (to, env.from, env.tag))
+                .filter(|_| !self.too_late);
             let mut out = Vec::new();
-            self.engines[to].on_message(Duration::ZERO, env, &mut out);
+            if let Some(i) = asked {
+                let (_, _, fold) = self.folds.swap_remove(i);
+                let own = fold.own.upgrade().expect("the part waits for this message");
+                let mut v = Vec::new();
+                fold.op.extend(&mut v, own.as_slice(), env.data.as_slice());
+                env.data = Payload::Data(v);
+                self.folded += 1;
+                self.engines[to].on_folded_message(Duration::ZERO, env, &mut out);
+            } else {
+                self.engines[to].on_message(Duration::ZERO, env, &mut out);
+            }
             self.absorb(to, out);
         }
     }
@@ -409,7 +453,7 @@ fn a_peer_that_said_goodbye_may_close_its_connection() {
 fn stats(net: &mut Net, rank: Rank) -> EngineStats {
     net.request(rank, 900, Request::Stats);
     match net.done.pop() {
-        Some((_, 900, Ok(Response::Stats(s)))) => s,
+        Some((_, 900, Ok(Response::Stats(s)))) => *s,
         other => panic!("unexpected {other:?}"),
     }
 }
@@ -1119,4 +1163,81 @@ fn a_welcome_to_a_rank_outside_the_job_is_refused() {
         );
     }
     assert!(e.failure().is_none());
+}
+
+#[test]
+fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
+    // Rank-dependent values whose sums round differently in different orders.
+    // Every part of reduce-scatter + allgather at P = 4 (a quarter) is large enough to fold.
+    let len = (1 << 18) + 5;
+    let value = |r: Rank, i: usize| ((i * 7919 + r * 104_729) % 1009) as f32 * 0.013 + 1e-7;
+    for algorithm in [
+        crate::schedule::AllreduceAlgorithm::RecursiveDoubling,
+        crate::schedule::AllreduceAlgorithm::ReduceScatterAllgather,
+    ] {
+        let run = |folding: bool, too_late: bool| {
+            let p = 4;
+            let mut net = Net::new(p);
+            net.too_late = too_late;
+            for e in &mut net.engines {
+                e.fold_on_arrival(folding);
+            }
+            let members: Vec<Rank> = (0..p).collect();
+            let choice = crate::schedule::AlgorithmChoice {
+                algorithm,
+                ..Default::default()
+            };
+            for r in 0..p {
+                let schedule = crate::schedule::allreduce(r, &members, len, &choice);
+                net.request(
+                    r,
+                    1,
+                    Request::Run(CollectiveRun {
+                        kind: Kind::Collective,
+                        seq: 0,
+                        schedule,
+                        data: Payload::Data((0..len).map(|i| value(r, i)).collect()),
+                        weight: 1.0,
+                        steps: 0,
+                    }),
+                );
+            }
+            net.pump(10_000);
+            let sums: Vec<Vec<u32>> = (0..p)
+                .map(|r| match net.take(r, 1) {
+                    Ok(Response::Data { data, weight, .. }) => {
+                        assert_eq!(weight, p as f64);
+                        data.as_slice().iter().map(|x| x.to_bits()).collect()
+                    }
+                    other => panic!("unexpected {other:?}"),
+                })
+                .collect();
+            // Every fold asked for was used or withdrawn.
+            assert!(net.folds.is_empty(), "{} folds left", net.folds.len());
+            (sums, net.folded, net.unfolded)
+        };
+        let (after, none, _) = run(false, false);
+        let (arriving, folded, withdrawn) = run(true, false);
+        let (late, not_folded, all_withdrawn) = run(true, true);
+        assert_eq!((none, not_folded, withdrawn), (0, 0, 0));
+        assert!(
+            all_withdrawn >= 4,
+            "{algorithm:?}: {all_withdrawn} withdrawn"
+        );
+        assert!(
+            after == late,
+            "{algorithm:?}: asked to fold too late, the sums differ"
+        );
+        // At least every rank's first reducing phase (a later one's message may be here
+        // before the phase starts, and is then combined whole).
+        assert!(
+            (4..=4 * 2).contains(&folded),
+            "{algorithm:?}: {folded} folded"
+        );
+        assert!(
+            after == arriving,
+            "{algorithm:?}: folded on arrival, the sums differ"
+        );
+        assert!(after.iter().all(|s| s == &after[0]), "{algorithm:?}");
+    }
 }

@@ -582,7 +582,7 @@ impl Comm {
     /// The engine's counters.
     pub async fn engine_stats(&mut self) -> Result<EngineStats, Error> {
         match self.port.submit(Request::Stats).await? {
-            Response::Stats(s) => Ok(s),
+            Response::Stats(s) => Ok(*s),
             _ => Err(self.unexpected("stats")),
         }
     }

@@ -10,9 +10,9 @@ use crossbeam_channel::{Receiver, Sender, select, unbounded};
 
 use super::{Comm, JobResult, Pending, Port, Slot, block_on};
 use crate::Rank;
-use crate::engine::{Action, Engine, EngineConfig, ReqId, Request, Response};
+use crate::engine::{Action, Engine, EngineConfig, FoldRequest, ReqId, Request, Response};
 use crate::error::{ConfigError, Error, TransportError};
-use crate::transport::{Incoming, Transport, mem};
+use crate::transport::{Delivery, Incoming, Transport, mem};
 
 /// How long an idle engine thread sleeps between checks when nothing has a deadline.
 const IDLE: Duration = Duration::from_millis(200);
@@ -131,6 +131,7 @@ fn engine_loop(
     inbox: Receiver<Incoming>,
     start: Instant,
 ) {
+    engine.fold_on_arrival(transport.folds());
     let mut slots: HashMap<ReqId, Arc<Slot>> = HashMap::new();
     let mut next_id: ReqId = 0;
     let mut out = Vec::new();
@@ -167,9 +168,13 @@ fn engine_loop(
                 }
             },
             recv(inbox_ref) -> msg => match msg {
-                Ok(Ok(env)) => {
+                Ok(Ok(Delivery { env, folded })) => {
                     transport.taken(env.from);
-                    engine.on_message(start.elapsed(), env, &mut out);
+                    if folded {
+                        engine.on_folded_message(start.elapsed(), env, &mut out);
+                    } else {
+                        engine.on_message(start.elapsed(), env, &mut out);
+                    }
                 }
                 Ok(Err(lost)) => {
                     unreachable.reported(lost.peer);
@@ -190,6 +195,17 @@ fn engine_loop(
             engine.on_peer_lost(start.elapsed(), peer, &reason, &mut out);
         }
         engine.on_tick(start.elapsed(), &mut out);
+        // Before the sends of the same events, which the folded messages answer.
+        for request in engine.drain_fold_requests() {
+            match request {
+                FoldRequest::Ask { from, fold } => {
+                    if !unreachable.contains(from) {
+                        transport.fold(from, fold);
+                    }
+                }
+                FoldRequest::Withdraw { from, tag } => transport.unfold(from, tag),
+            }
+        }
         perform(
             transport.as_mut(),
             &mut slots,
@@ -434,7 +450,7 @@ mod tests {
     impl Transport for Closed {
         fn send(&mut self, to: Rank, _env: Envelope) -> Result<(), TransportError> {
             for env in self.pending.drain(..) {
-                let _ = self.inbox.send(Ok(env));
+                let _ = self.inbox.send(Ok(env.into()));
             }
             Err(TransportError::Peer {
                 peer: to,

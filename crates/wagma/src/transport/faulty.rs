@@ -139,4 +139,20 @@ impl<T: Transport> Transport for FaultyTransport<T> {
     fn taken(&self, from: Rank) {
         self.inner.taken(from);
     }
+
+    fn disconnect(&mut self, peer: Rank) {
+        self.inner.disconnect(peer);
+    }
+
+    fn folds(&self) -> bool {
+        self.inner.folds()
+    }
+
+    fn fold(&mut self, from: Rank, fold: super::Fold) {
+        self.inner.fold(from, fold);
+    }
+
+    fn unfold(&mut self, from: Rank, tag: super::Tag) {
+        self.inner.unfold(from, tag);
+    }
 }

@@ -10,13 +10,17 @@
 //! little makes the reader touch no more new memory than the bytes actually sent. A virtual
 //! length is bounded like a payload (at most the maximum body in bytes), so it cannot overflow;
 //! the transports decide whether they carry virtual payloads at all (TCP does not, beyond the
-//! empty one of control messages).
+//! empty one of control messages). A reader may also fold a payload into the receiver's own
+//! part as it arrives ([`read_frame_folding`]): each piece is read into a small scratch buffer
+//! that stays in cache and combined from there, so the received values are never written to
+//! memory on their own and read back for the sum.
 
 use std::io::{Read, Write};
 
-use super::{Contribution, Envelope, Kind, Meta, Tag};
+use super::{Contribution, Delivery, Envelope, Fold, Kind, Meta, Tag};
+use crate::Rank;
 use crate::error::TransportError;
-use crate::payload::Payload;
+use crate::payload::{Payload, Reduce, pool};
 
 /// Bytes of the fixed part of a body.
 pub const HEADER_BYTES: usize = 1 + 1 + 2 + 4 + 8 + 8 + 8 + 8 + 4;
@@ -94,6 +98,21 @@ pub fn write_frame<W: Write>(w: &mut W, env: &Envelope, max: u64) -> Result<(), 
 
 /// Reads one frame. `Ok(None)` on a clean end of stream before a frame starts.
 pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, TransportError> {
+    read_frame_folding(r, max, &mut Vec::new(), |_, _| None).map(|d| d.map(|d| d.env))
+}
+
+/// Like [`read_frame`], but once the header is read `fold` is called with the sender and the
+/// tag; if it returns a [`Fold`] whose own part is still held and as long as the payload, the
+/// payload is combined with that part piece by piece as it arrives (each piece is read into
+/// `scratch`, small enough to stay in cache, and combined from there into the result, so the
+/// received values never travel through memory on their own) and the delivery has
+/// [`Delivery::folded`] set. Otherwise the payload is read whole.
+pub fn read_frame_folding<R: Read>(
+    r: &mut R,
+    max: u64,
+    scratch: &mut Vec<f32>,
+    fold: impl FnOnce(Rank, &Tag) -> Option<Fold>,
+) -> Result<Option<Delivery>, TransportError> {
     let mut len = [0u8; 4];
     match read_full(r, &mut len)? {
         0 => return Ok(None),
@@ -151,6 +170,8 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
         });
     }
     let payload_bytes = rest - contrib_bytes;
+    let tag = Tag { kind, seq, step };
+    let mut folded = false;
     let data = if flags & FLAG_VIRTUAL != 0 {
         if payload_bytes != 8 {
             return Err(TransportError::Malformed(
@@ -170,29 +191,19 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
             )));
         }
         let count = payload_bytes / 4;
-        // The common case: a buffer of this size came back to the pool after an earlier
-        // round, and is received into whole; its values are overwritten in full (or it is
-        // dropped on error), so it need not be cleared. Otherwise memory is touched only as
-        // bytes arrive.
-        let mut v: Vec<f32> = if payload_bytes > RESERVE_LIMIT {
-            Vec::with_capacity(CHUNK / 4)
-        } else if let Some(mut v) = crate::payload::pool::take_recycled(count) {
-            exact(r, bytemuck::cast_slice_mut(&mut v))?;
-            v
+        let own = fold(from, &tag)
+            .filter(|f| f.own.len() == count)
+            .and_then(|f| Some((f.own.upgrade()?, f.op)));
+        if let Some((own, op)) = own {
+            folded = true;
+            Payload::Data(read_folded(r, own.as_slice(), op, scratch)?)
         } else {
-            Vec::with_capacity(count)
-        };
-        while v.len() < count {
-            let at = v.len();
-            let take = (count - at).min(CHUNK / 4);
-            v.resize(at + take, 0.0);
-            exact(r, bytemuck::cast_slice_mut(&mut v[at..]))?;
+            Payload::Data(read_values(r, count)?)
         }
-        Payload::Data(v)
     };
-    Ok(Some(Envelope {
+    let env = Envelope {
         from,
-        tag: Tag { kind, seq, step },
+        tag,
         meta: Meta {
             total_len,
             weight,
@@ -200,7 +211,52 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
             contributions: contributions.into(),
         },
         data,
-    }))
+    };
+    Ok(Some(Delivery { env, folded }))
+}
+
+/// Elements of a piece that a folded payload is read in (1 MiB: within a core's L2 cache).
+const FOLD_PIECE: usize = 1 << 18;
+
+/// `own op payload`, the payload read piece by piece into `scratch`.
+fn read_folded<R: Read>(
+    r: &mut R,
+    own: &[f32],
+    op: Reduce,
+    scratch: &mut Vec<f32>,
+) -> Result<Vec<f32>, TransportError> {
+    scratch.resize(FOLD_PIECE.min(own.len()), 0.0);
+    // Reserved, not touched: a peer that announces much and sends little makes this reader
+    // write no more than it sent.
+    let mut out = pool::take(own.len());
+    for mine in own.chunks(FOLD_PIECE) {
+        let piece = &mut scratch[..mine.len()];
+        exact(r, bytemuck::cast_slice_mut(piece))?;
+        op.extend(&mut out, mine, piece);
+    }
+    Ok(out)
+}
+
+/// `count` values read whole.
+fn read_values<R: Read>(r: &mut R, count: usize) -> Result<Vec<f32>, TransportError> {
+    // The common case: a buffer of this size came back to the pool after an earlier round,
+    // and is received into whole; its values are overwritten in full (or it is dropped on
+    // error), so it need not be cleared. Otherwise memory is touched only as bytes arrive.
+    let mut v: Vec<f32> = if count * 4 > RESERVE_LIMIT {
+        Vec::with_capacity(CHUNK / 4)
+    } else if let Some(mut v) = pool::take_recycled(count) {
+        exact(r, bytemuck::cast_slice_mut(&mut v))?;
+        v
+    } else {
+        Vec::with_capacity(count)
+    };
+    while v.len() < count {
+        let at = v.len();
+        let take = (count - at).min(CHUNK / 4);
+        v.resize(at + take, 0.0);
+        exact(r, bytemuck::cast_slice_mut(&mut v[at..]))?;
+    }
+    Ok(v)
 }
 
 /// A virtual payload of `len` values may stand for no more bytes than a frame may hold.
@@ -289,6 +345,71 @@ mod tests {
             },
             data,
         }
+    }
+
+    #[test]
+    fn a_payload_is_folded_piece_by_piece_only_when_its_part_is_still_held() {
+        // More than one piece, and a last piece shorter than the others.
+        let n = FOLD_PIECE * 2 + 3;
+        let theirs: Vec<f32> = (0..n).map(|i| (i % 977) as f32 * 0.5).collect();
+        let mut bytes = Vec::new();
+        write_frame(&mut bytes, &sample(Payload::Data(theirs.clone())), u64::MAX).unwrap();
+        let mut mine = Payload::Data((0..n).map(|i| (i % 13) as f32 - 6.0).collect());
+        let own = mine.view(0..n);
+        let tag = sample(Payload::Size(0)).tag;
+        let ask = |op, other: Option<Tag>| {
+            let own = own.downgrade();
+            move |from: Rank, t: &Tag| {
+                assert_eq!((from, *t), (3, tag));
+                Some(Fold {
+                    tag: other.unwrap_or(*t),
+                    own: own?,
+                    op,
+                })
+            }
+        };
+        let mut scratch = Vec::new();
+        for op in [Reduce::Sum, Reduce::Max] {
+            let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut scratch, ask(op, None))
+                .unwrap()
+                .unwrap();
+            assert!(got.folded);
+            let mut want = Vec::new();
+            op.extend(&mut want, own.as_slice(), &theirs);
+            assert_eq!(got.env.data.as_slice(), &want[..], "{op:?}");
+            assert_eq!(got.env.meta.weight, 0.25);
+        }
+        // A part of another length is not used: the payload arrives as it was sent.
+        let short = mine.view(0..n - 1).downgrade();
+        let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut scratch, |_, t: &Tag| {
+            Some(Fold {
+                tag: *t,
+                own: short?,
+                op: Reduce::Sum,
+            })
+        })
+        .unwrap()
+        .unwrap();
+        assert!(!got.folded);
+        assert_eq!(got.env.data.as_slice(), &theirs[..]);
+        // A stream that ends inside a piece is an error, not a partial sum.
+        let cut = &bytes[..bytes.len() - 4 * (FOLD_PIECE + 1)];
+        let err = read_frame_folding(
+            &mut &cut[..],
+            u64::MAX,
+            &mut scratch,
+            ask(Reduce::Sum, None),
+        );
+        assert!(matches!(err, Err(TransportError::Malformed(_))), "{err:?}");
+        // Once nothing holds the part, the payload arrives whole.
+        let weak = ask(Reduce::Sum, None);
+        drop(own);
+        drop(mine);
+        let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut scratch, weak)
+            .unwrap()
+            .unwrap();
+        assert!(!got.folded);
+        assert_eq!(got.env.data.as_slice(), &theirs[..]);
     }
 
     #[test]

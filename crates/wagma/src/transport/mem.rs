@@ -39,7 +39,7 @@ impl Transport for MemTransport {
                 message: format!("no such rank (job has {})", self.peers.len()),
             });
         };
-        peer.send(Ok(env)).map_err(|_| TransportError::Peer {
+        peer.send(Ok(env.into())).map_err(|_| TransportError::Peer {
             peer: to,
             message: format!("rank {to} has left (seen from rank {})", self.rank),
         })

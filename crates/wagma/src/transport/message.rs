@@ -7,7 +7,7 @@ use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::Rank;
-use crate::payload::Payload;
+use crate::payload::{Payload, Reduce, WeakView};
 
 /// The namespace of a message; each kind has its own sequence numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -201,6 +201,39 @@ pub struct Meta {
     pub aux: u64,
     /// The contributions folded into this data so far.
     pub contributions: Contributions,
+}
+
+/// A receiver's request that the payload of one expected message be combined with its own
+/// part while it arrives, piece by piece, instead of being received whole and combined after
+/// (see [`super::Transport::fold`]). A transport that does so delivers the message with
+/// [`Delivery::folded`] set and the combined values as its payload.
+#[derive(Debug, Clone)]
+pub struct Fold {
+    /// The expected message's tag.
+    pub tag: Tag,
+    /// The receiver's own part, as long as the expected payload. Held weakly: a request
+    /// whose message came before it (or never comes) keeps no buffer alive once the engine
+    /// is done with the part.
+    pub own: WeakView,
+    /// How the two combine: a sum or a maximum, the same bits in either order (NaN payloads
+    /// aside, which IEEE 754 leaves to the hardware).
+    pub op: Reduce,
+}
+
+/// A message as a transport delivers it to the rank's inbox.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The message.
+    pub env: Envelope,
+    /// The transport already combined the payload with this rank's own part, as a [`Fold`]
+    /// asked: the payload is the result of the phase that receives it.
+    pub folded: bool,
+}
+
+impl From<Envelope> for Delivery {
+    fn from(env: Envelope) -> Delivery {
+        Delivery { env, folded: false }
+    }
 }
 
 /// A message between ranks.

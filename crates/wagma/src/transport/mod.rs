@@ -19,7 +19,7 @@ use std::time::Duration;
 use crate::Rank;
 use crate::error::TransportError;
 
-pub use message::{Contribution, Contributions, Envelope, Kind, Meta, Tag};
+pub use message::{Contribution, Contributions, Delivery, Envelope, Fold, Kind, Meta, Tag};
 
 /// The default largest frame a transport accepts (2 GiB: a 512 Mi-parameter model).
 pub const DEFAULT_MAX_FRAME: u64 = 1 << 31;
@@ -40,7 +40,7 @@ pub struct Lost {
 }
 
 /// What a transport delivers to a rank's inbox.
-pub type Incoming = Result<Envelope, Lost>;
+pub type Incoming = Result<Delivery, Lost>;
 
 /// Sends tagged messages to the other ranks of a job. A transport lives on its rank's engine
 /// thread (the MPI one cannot leave it).
@@ -75,5 +75,28 @@ pub trait Transport {
     /// the inbox count here what each peer has waiting, to bound it; the default does nothing.
     fn taken(&self, from: Rank) {
         let _ = from;
+    }
+
+    /// Whether this transport folds received parts as they arrive ([`Transport::fold`]); the
+    /// engine asks only one that does.
+    fn folds(&self) -> bool {
+        false
+    }
+
+    /// The engine expects a message from `from` that it will combine with its own part as
+    /// `fold` says. A transport that copies payloads out of a byte stream may combine each
+    /// piece as it arrives, while it is still in cache, and deliver the result with
+    /// [`Delivery::folded`] set; the default does nothing (the engine combines the message when it
+    /// has it whole). A transport may also decline (TCP does while anything from `from` is on
+    /// its way to the engine); a request whose message comes without it is withdrawn
+    /// ([`Transport::unfold`]).
+    fn fold(&mut self, from: Rank, fold: Fold) {
+        let _ = (from, fold);
+    }
+
+    /// The engine took the message from `from` tagged `tag` without a fold it asked for (the
+    /// message came first): drop the request, so that it cannot catch a later message.
+    fn unfold(&mut self, from: Rank, tag: Tag) {
+        let _ = (from, tag);
     }
 }

