@@ -164,13 +164,18 @@ fn collectives_naming_ranks_outside_the_job_are_typed_errors() {
     use wagma::transport::Kind;
 
     // P = 4: members or peers beyond the job, a member list out of order, the rank itself as
-    // its peer and a range past the buffer fail the call, under either executor (the virtual
-    // one used to panic delivering to rank 9), and the rank goes on.
+    // its peer, a range past the buffer and the engine's own message kinds fail the call,
+    // under either executor (the virtual one used to panic delivering to rank 9), and the rank
+    // goes on.
     for exec in [Exec::Virtual(4), Exec::Threads] {
         let out = run(exec, 4, EngineConfig::default(), async |c| {
             let rank = c.rank();
             let data = || Payload::Data(vec![1.0; 3]);
             let unsorted: Vec<usize> = (0..4).rev().collect();
+            let nothing = || Schedule {
+                len: 3,
+                phases: Vec::new(),
+            };
             let past = Schedule {
                 len: 3,
                 phases: vec![Phase {
@@ -191,6 +196,15 @@ fn collectives_naming_ranks_outside_the_job_are_typed_errors() {
                 c.exchange(0, &[9], &[9], data(), 0.0, 0).await.err(),
                 c.exchange(0, &[rank], &[rank], data(), 0.0, 0).await.err(),
                 c.run(Kind::Exchange, 0, past, data(), 0.0, 0).await.err(),
+                // The engine's own kinds: their messages would never reach the run.
+                c.run(Kind::Control, 0, nothing(), data(), 0.0, 0)
+                    .await
+                    .err(),
+                c.run(Kind::Activation, 0, nothing(), data(), 0.0, 0)
+                    .await
+                    .err(),
+                c.run(Kind::Round, 0, nothing(), data(), 0.0, 0).await.err(),
+                c.run(Kind::Sync, 0, nothing(), data(), 0.0, 0).await.err(),
             ];
             let sum = c.allreduce(data()).await?.into_vec();
             Ok((refused, sum))

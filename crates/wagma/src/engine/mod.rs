@@ -1024,7 +1024,18 @@ impl Engine {
     /// operation it is.
     fn check_run(&self, run: &CollectiveRun) -> Result<Op, Error> {
         let op = run.op();
-        let detail = if run.data.len() != run.schedule.len {
+        let detail = if matches!(
+            run.kind,
+            Kind::Activation | Kind::Round | Kind::Sync | Kind::Control
+        ) {
+            // Their messages never reach a schedule run for the caller (or belong to the
+            // stream's rounds): it would wait for them until its timeout.
+            format!(
+                "{} messages are the engine's own: a schedule runs as a collective, an exchange \
+                 or a pairwise averaging",
+                run.kind.name()
+            )
+        } else if run.data.len() != run.schedule.len {
             format!(
                 "buffer of {} elements for a schedule over {}",
                 run.data.len(),

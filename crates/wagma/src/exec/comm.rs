@@ -173,9 +173,10 @@ impl Comm {
         }
     }
 
-    /// Runs a schedule built by one of the [`crate::schedule`] functions. A schedule this rank
-    /// cannot run ([`Schedule::check`], or a buffer of another length) is rejected with
-    /// [`Error::Protocol`] before anything is sent.
+    /// Runs a schedule built by one of the [`crate::schedule`] functions, as messages of
+    /// `kind`: [`Kind::Collective`], [`Kind::Exchange`] or [`Kind::Pair`]. A schedule this rank
+    /// cannot run ([`Schedule::check`], or a buffer of another length), or one of the kinds the
+    /// engine keeps for itself, is rejected with [`Error::Protocol`] before anything is sent.
     pub async fn run(
         &mut self,
         kind: Kind,
