@@ -44,7 +44,7 @@ impl Expected {
         let Some(mut held) = self.held(peer) else {
             return;
         };
-        // Read under the lock: a reader marks a frame delivered only after counting it.
+        // Read under the lock: a reader marks a frame delivered only once it counts it.
         if held.reading || in_inbox() > 0 {
             return;
         }
@@ -62,7 +62,8 @@ impl Expected {
         Some(held.folds.remove(i))
     }
 
-    /// The frame being read from `peer` is in the inbox (and counted there).
+    /// The frame being read from `peer` is counted among those waiting in the inbox (before
+    /// it is put there, so that the engine, once it took the frame, may ask again).
     pub fn delivered(&self, peer: Rank) {
         if let Some(mut held) = self.held(peer) {
             held.reading = false;

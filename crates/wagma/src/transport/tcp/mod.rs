@@ -847,10 +847,12 @@ impl Link {
                                      rank's engine has not taken in"
                                 );
                             }
+                            // Counted in the queue above, so no longer "being read": by the
+                            // time the engine takes it, a fold may be asked for again.
+                            expected.delivered(peer);
                             if inbox.send(Ok(d)).is_err() {
                                 return;
                             }
-                            expected.delivered(peer);
                         }
                         Ok(Some(d)) => {
                             break format!("frame claims to come from rank {}", d.env.from);
