@@ -536,6 +536,37 @@ fn job_credentials(name: &str) -> Credentials {
     }
 }
 
+/// Each rank's transport and inbox.
+type InProcessJob = Vec<(
+    wagma::transport::tcp::TcpTransport,
+    crossbeam_channel::Receiver<wagma::transport::Incoming>,
+)>;
+
+/// A job of `p` ranks in this process (one start-up thread each), each configured by `tweak`.
+fn ranks_in_threads(name: &str, p: usize, tweak: impl Fn(&mut TcpConfig)) -> InProcessJob {
+    let cred = job_credentials(name);
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, p, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(60);
+        tweak(&mut c);
+        c
+    };
+    let dir = TempDir::new(&format!("tcp-{name}"));
+    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    let others: Vec<_> = (1..p)
+        .map(|rank| {
+            let cfg = config(rank, &rdv);
+            std::thread::spawn(move || {
+                let (tx, rx) = crossbeam_channel::unbounded();
+                wagma::transport::tcp::connect(&cfg, tx).map(|t| (t, rx))
+            })
+        })
+        .collect();
+    let mut job = vec![(rank0.join().unwrap().unwrap(), rx0)];
+    job.extend(others.into_iter().map(|h| h.join().unwrap().unwrap()));
+    job
+}
+
 /// A job of two ranks in this process, each configured by `tweak`: rank 0's transport and
 /// inbox, and rank 1's transport.
 fn two_ranks(
@@ -546,18 +577,9 @@ fn two_ranks(
     crossbeam_channel::Receiver<wagma::transport::Incoming>,
     wagma::transport::tcp::TcpTransport,
 ) {
-    let cred = job_credentials(name);
-    let config = |rank: usize, rdv: &str| {
-        let mut c = TcpConfig::new(rank, 2, rdv, cred.clone());
-        c.connect_timeout = Duration::from_secs(30);
-        tweak(&mut c);
-        c
-    };
-    let dir = TempDir::new(&format!("tcp-{name}"));
-    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
-    let (tx1, _rx1) = crossbeam_channel::unbounded();
-    let t1 = wagma::transport::tcp::connect(&config(1, &rdv), tx1).unwrap();
-    let t0 = rank0.join().unwrap().unwrap();
+    let mut job = ranks_in_threads(name, 2, tweak).into_iter();
+    let (t0, rx0) = job.next().expect("rank 0");
+    let (t1, _rx1) = job.next().expect("rank 1");
     (t0, rx0, t1)
 }
 
@@ -824,32 +846,15 @@ async fn large_allreduces(c: &mut wagma::Comm) -> Result<(Vec<Vec<u32>>, u64), E
 #[test]
 fn parts_folded_as_they_arrive_give_the_in_process_bits() {
     let p = 4;
-    let cred = job_credentials("fold-job");
-    let config = |rank: usize, rdv: &str| {
-        let mut c = TcpConfig::new(rank, p, rdv, cred.clone());
-        c.connect_timeout = Duration::from_secs(60);
-        c
-    };
-    let dir = TempDir::new("tcp-fold-job");
-    let (rank0, rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
-    let others: Vec<_> = (1..p)
-        .map(|rank| {
-            let cfg = config(rank, &rdv);
-            std::thread::spawn(move || {
-                let (tx, rx) = crossbeam_channel::unbounded();
-                wagma::transport::tcp::connect(&cfg, tx).map(|t| (t, rx))
-            })
+    let net = ranks_in_threads("fold-job", p, |_| {})
+        .into_iter()
+        .map(|(t, rx)| {
+            (
+                Box::new(t) as Box<dyn wagma::transport::Transport + Send>,
+                rx,
+            )
         })
         .collect();
-    type Net = Vec<(
-        Box<dyn wagma::transport::Transport + Send>,
-        crossbeam_channel::Receiver<wagma::transport::Incoming>,
-    )>;
-    let mut net: Net = vec![(Box::new(rank0.join().unwrap().unwrap()), rx0)];
-    for h in others {
-        let (t, rx) = h.join().unwrap().unwrap();
-        net.push((Box::new(t), rx));
-    }
     let tcp = threaded::run_on(net, EngineConfig::default(), large_allreduces)
         .unwrap()
         .into_all()

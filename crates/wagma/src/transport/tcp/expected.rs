@@ -99,6 +99,13 @@ mod tests {
         }
     }
 
+    /// A whole frame from `peer` tagged `seq` read, as its reader does: the fold it takes.
+    fn read(e: &Expected, peer: Rank, seq: u64) -> Option<Fold> {
+        let fold = e.reading(peer, &tag(seq));
+        e.delivered(peer);
+        fold
+    }
+
     fn fold(seq: u64, held: &mut Vec<Payload>) -> Fold {
         let mut p = Payload::Data(vec![seq as f32]);
         let own = p.view(0..1).downgrade().expect("a view is shared");
@@ -118,26 +125,19 @@ mod tests {
             e.ask(1, fold(seq, &mut held), || 0);
         }
         // The two oldest were pushed out.
-        assert!(e.reading(1, &tag(0)).is_none());
-        e.delivered(1);
-        assert!(e.reading(1, &tag(1)).is_none());
-        e.delivered(1);
-        let got = e.reading(1, &tag(5)).and_then(|f| f.own.upgrade());
+        assert!(read(&e, 1, 0).is_none());
+        assert!(read(&e, 1, 1).is_none());
+        let got = read(&e, 1, 5).and_then(|f| f.own.upgrade());
         assert_eq!(got, Some(Payload::Data(vec![5.0])));
-        e.delivered(1);
-        assert!(e.reading(1, &tag(5)).is_none());
-        e.delivered(1);
+        assert!(read(&e, 1, 5).is_none());
         // Withdrawn, or another peer's, or a peer out of range: none.
         e.withdraw(1, &tag(6));
-        assert!(e.reading(1, &tag(6)).is_none());
-        e.delivered(1);
-        assert!(e.reading(0, &tag(7)).is_none());
-        e.delivered(0);
+        assert!(read(&e, 1, 6).is_none());
+        assert!(read(&e, 0, 7).is_none());
         assert!(e.reading(7, &tag(7)).is_none());
         e.ask(7, fold(7, &mut held), || 0);
         e.forget(1);
-        assert!(e.reading(1, &tag(7)).is_none());
-        e.delivered(1);
+        assert!(read(&e, 1, 7).is_none());
         // A fold keeps no buffer alive: once its holder is gone, it reads nothing.
         e.ask(0, fold(20, &mut held), || 0);
         held.clear();
@@ -156,16 +156,13 @@ mod tests {
         assert!(e.reading(1, &tag(3)).is_none());
         e.ask(1, fold(3, &mut held), || 0);
         e.delivered(1);
-        assert!(e.reading(1, &tag(3)).is_none());
-        e.delivered(1);
+        assert!(read(&e, 1, 3).is_none());
         // Delivered but not taken by the engine yet: the same.
         e.ask(1, fold(3, &mut held), || 1);
-        assert!(e.reading(1, &tag(3)).is_none());
-        e.delivered(1);
+        assert!(read(&e, 1, 3).is_none());
         // Nothing on the way: held, and taken by the next frame with the tag.
         e.ask(1, fold(3, &mut held), || 0);
-        assert!(e.reading(1, &tag(3)).is_some());
-        e.delivered(1);
+        assert!(read(&e, 1, 3).is_some());
         // A connection that ends forgets a frame it was reading.
         assert!(e.reading(1, &tag(4)).is_none());
         e.forget(1);
