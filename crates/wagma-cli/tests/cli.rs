@@ -20,6 +20,13 @@ fn bench_collectives_runs_over_mem_and_tcp() {
                 transport == "mem",
                 "{r}"
             );
+            // The CPU kept busy is measured where each rank is a process of its own (and in
+            // the streams' threads).
+            if transport == "tcp" {
+                common::assert_cpu_measured(r);
+            } else {
+                assert!(r["cpu"].is_null(), "{r}");
+            }
         }
         // The least bytes a rank sends: 2(n-1)/n buffers of 4,000 bytes in an allreduce of
         // n (3 ranks; groups of 2), one buffer per neighbour in the exchange.

@@ -23,6 +23,10 @@ fn bench_collectives_runs_next_to_mpi_allreduce() {
         assert_eq!(rows.len(), 9, "{rows:?}");
         assert_eq!(rows[7]["collective"], "MPI_Allreduce");
         assert_eq!(rows[8]["members"], 2);
+        // Each rank is a process: the CPU our collectives kept busy is measured (not that of
+        // MPI_Allreduce, timed by MPI's own loop).
+        rows[..7].iter().for_each(common::assert_cpu_measured);
+        assert!(rows[7..].iter().all(|r| r["cpu"].is_null()), "{rows:?}");
     }
 }
 

@@ -73,6 +73,39 @@ pub struct Row {
     pub bytes_per_rank: usize,
     /// The least payload bytes each rank must send (`2(n-1)/n` buffers for an allreduce).
     pub optimal_bytes_per_rank: usize,
+    /// Ranks in processes of their own (TCP, MPI, the loopback streams): the CPU the timed
+    /// repetitions kept busy, and per byte the ranks sent.
+    #[serde(default)]
+    pub cpu: Option<CpuUse>,
+}
+
+/// CPU time spent during the timed repetitions, all ranks' processes together.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct CpuUse {
+    /// CPU seconds over wall seconds: the cores kept busy on average.
+    pub cores: f64,
+    /// CPU nanoseconds per payload byte that all ranks sent.
+    pub ns_per_byte: f64,
+}
+
+impl CpuUse {
+    /// `cpu_s` CPU seconds spent over `wall_s` seconds while `bytes` were sent.
+    fn new(cpu_s: f64, wall_s: f64, bytes: usize) -> CpuUse {
+        CpuUse {
+            cores: cpu_s / wall_s,
+            ns_per_byte: cpu_s * 1e9 / bytes as f64,
+        }
+    }
+}
+
+/// One case as the ranks measured it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct Measured {
+    /// Median over repetitions of the slowest rank's time.
+    median_s: f64,
+    /// Ranks in processes of their own: all ranks' CPU seconds and the slowest rank's wall
+    /// seconds, summed over the timed repetitions.
+    cpu_s: Option<(f64, f64)>,
 }
 
 /// The whole report.
@@ -174,7 +207,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         async move |c: &mut Comm| {
             let mut times = measure(c, &a, s).await?;
             if mpi {
-                times.extend(mpi_baselines(c.rank(), &a, s)?);
+                times.extend(mpi_baselines(c.rank(), &a, s)?.into_iter().map(|median_s| {
+                    Measured {
+                        median_s,
+                        cpu_s: None,
+                    }
+                }));
             }
             Ok(times)
         },
@@ -206,14 +244,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => (None, None),
     };
     let mut report = build_report(&args, s, memcpy, memory, loopback, times);
-    if let Some(gb) = concurrent {
-        report.concurrent_loopback_gb_per_s = Some(gb);
+    if let Some(streams) = concurrent {
+        report.concurrent_loopback_gb_per_s = Some(streams.gb_per_s);
         report.rows.push(stream_row(
             "loopback-streams",
             format!("{} TCP connections at once", args.ranks),
             args.ranks,
             report.buffer_bytes,
-            gb,
+            streams,
             memcpy,
         ));
     }
@@ -268,11 +306,20 @@ fn memcpy_gb_per_s(n: usize, reps: usize, threads: usize) -> (f64, f64) {
     (rate(median(&mut times)), rate(fastest))
 }
 
+/// Raw loopback streams as measured.
+#[derive(Debug, Clone, Copy)]
+struct Streams {
+    /// The rate of each stream, GB/s.
+    gb_per_s: f64,
+    /// The writing and reading threads' CPU, from the first copy to the last.
+    cpu: CpuUse,
+}
+
 /// `streams` TCP connections on loopback, each with a thread writing the buffer `reps + 1`
 /// times and one reading it into a buffer of its own; the writers start each copy together.
 /// The median over the rounds after the first of the time from the last stream delivering one
 /// copy to the last delivering the next, as a rate per stream.
-fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Result<f64> {
+fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Result<Streams> {
     use std::io::{Read, Write};
     use std::sync::{Arc, Barrier};
     const PATIENCE: Duration = Duration::from_secs(60);
@@ -284,28 +331,33 @@ fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Resul
     let mut readers = Vec::with_capacity(streams);
     for _ in 0..streams {
         let round = Arc::clone(&round);
-        writers.push(std::thread::spawn(move || -> std::io::Result<()> {
-            let src = vec![1u8; bytes];
-            let mut s = std::net::TcpStream::connect_timeout(&addr, PATIENCE);
-            if let Ok(s) = &s {
-                s.set_nodelay(true)?;
-                s.set_write_timeout(Some(PATIENCE))?;
-            }
-            // Every writer meets the others before every copy, even after a failure of its
-            // own, so that none waits for a writer that gave up.
-            for _ in 0..=reps {
-                round.wait();
-                // In the pieces the TCP transport writes (the fastest way found here).
-                if let Ok(st) = &mut s
-                    && let Err(e) = src
-                        .chunks(wagma::transport::tcp::WRITE_PIECE_BYTES)
-                        .try_for_each(|piece| st.write_all(piece))
-                {
-                    s = Err(e);
+        writers.push(std::thread::spawn(
+            move || -> std::io::Result<(Instant, f64)> {
+                let src = vec![1u8; bytes];
+                let mut s = std::net::TcpStream::connect_timeout(&addr, PATIENCE);
+                if let Ok(s) = &s {
+                    s.set_nodelay(true)?;
+                    s.set_write_timeout(Some(PATIENCE))?;
                 }
-            }
-            s.map(|_| ())
-        }));
+                // Every writer meets the others before every copy, even after a failure of its
+                // own, so that none waits for a writer that gave up.
+                let mut start = None;
+                for _ in 0..=reps {
+                    round.wait();
+                    start.get_or_insert_with(|| (Instant::now(), super::cpu_seconds(true)));
+                    // In the pieces the TCP transport writes (the fastest way found here).
+                    if let Ok(st) = &mut s
+                        && let Err(e) = src
+                            .chunks(wagma::transport::tcp::WRITE_PIECE_BYTES)
+                            .try_for_each(|piece| st.write_all(piece))
+                    {
+                        s = Err(e);
+                    }
+                }
+                let (at, cpu) = start.unwrap_or_else(|| (Instant::now(), super::cpu_seconds(true)));
+                s.map(|_| (at, super::cpu_seconds(true) - cpu))
+            },
+        ));
         let deadline = Instant::now() + PATIENCE;
         let mut s = loop {
             match listener.accept() {
@@ -322,24 +374,36 @@ fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Resul
         s.set_nonblocking(false)?;
         s.set_read_timeout(Some(PATIENCE))?;
         readers.push(std::thread::spawn(
-            move || -> std::io::Result<Vec<Instant>> {
+            move || -> std::io::Result<(Vec<Instant>, f64)> {
                 let mut dst = vec![0u8; bytes];
-                (0..=reps)
+                let cpu = super::cpu_seconds(true);
+                let delivered = (0..=reps)
                     .map(|_| s.read_exact(&mut dst).map(|()| Instant::now()))
-                    .collect()
+                    .collect::<std::io::Result<_>>()?;
+                Ok((delivered, super::cpu_seconds(true) - cpu))
             },
         ));
     }
     let mut delivered: Vec<Vec<Instant>> = Vec::with_capacity(streams);
+    let mut cpu_s = 0.0;
     for r in readers {
         match r.join() {
-            Ok(r) => delivered.push(r?),
+            Ok(r) => {
+                let (d, cpu) = r?;
+                delivered.push(d);
+                cpu_s += cpu;
+            }
             Err(_) => bail!("a loopback reader thread panicked"),
         }
     }
+    let mut first = None::<Instant>;
     for w in writers {
         match w.join() {
-            Ok(r) => r?,
+            Ok(r) => {
+                let (at, cpu) = r?;
+                first = Some(first.map_or(at, |f| f.min(at)));
+                cpu_s += cpu;
+            }
             Err(_) => bail!("a loopback writer thread panicked"),
         }
     }
@@ -351,7 +415,14 @@ fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Resul
         .windows(2)
         .map(|w| (w[1] - w[0]).as_secs_f64())
         .collect();
-    Ok(bytes as f64 / median(&mut times) / 1e9)
+    let wall_s = match (first, all.last()) {
+        (Some(first), Some(&last)) => (last - first).as_secs_f64(),
+        _ => f64::NAN,
+    };
+    Ok(Streams {
+        gb_per_s: bytes as f64 / median(&mut times) / 1e9,
+        cpu: CpuUse::new(cpu_s, wall_s, bytes * streams * (reps + 1)),
+    })
 }
 
 /// The least bytes a rank must send in an allreduce of `n` members of `bytes` each:
@@ -377,8 +448,10 @@ enum Finished {
     Round(RoundResult),
 }
 
-/// Per case, the median over repetitions of the slowest rank's time.
-async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma::Error> {
+/// Per case, the median over repetitions of the slowest rank's time and, where each rank is a
+/// process of its own, the CPU all ranks spent in the timed regions.
+async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<Measured>, wagma::Error> {
+    let own_process = args.transport != TransportKind::Mem;
     let (p, rank, n) = (c.size(), c.rank(), args.elements);
     let grouping = Grouping::new(p, s, GroupingKind::Butterfly)?;
     let everyone: Vec<usize> = (0..p).collect();
@@ -400,8 +473,10 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma:
     let mut round = 0u64;
     for case in &CASES {
         let mut times = Vec::with_capacity(args.reps);
+        let (mut cpu_s, mut wall_s) = (0.0, 0.0);
         for rep in 0..args.warmup + args.reps {
             c.barrier().await?;
+            let cpu0 = super::cpu_seconds(false);
             let t0 = Instant::now();
             let choice = AlgorithmChoice {
                 algorithm: case.algorithm.unwrap_or_default(),
@@ -435,9 +510,12 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma:
                     (Finished::Buffer(d), t0.elapsed())
                 }
             };
+            let cpu = super::cpu_seconds(false) - cpu0;
             let slowest = super::slowest(c, dt.as_secs_f64()).await?;
             if rep >= args.warmup {
                 times.push(slowest);
+                cpu_s += cpu;
+                wall_s += slowest;
             }
             data = match finished {
                 Finished::Buffer(d) => d,
@@ -452,7 +530,15 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<f64>, wagma:
             // Keep values bounded.
             data.scale(1.0 / p as f32);
         }
-        medians.push(median(&mut times));
+        let cpu_s = if own_process {
+            Some((super::total(c, cpu_s).await?, wall_s))
+        } else {
+            None
+        };
+        medians.push(Measured {
+            median_s: median(&mut times),
+            cpu_s,
+        });
     }
     Ok(medians)
 }
@@ -513,8 +599,8 @@ fn build_report(
     s: usize,
     memcpy: f64,
     memory: Option<MemoryRates>,
-    loopback: Option<f64>,
-    times: Vec<f64>,
+    loopback: Option<Streams>,
+    times: Vec<Measured>,
 ) -> Report {
     let p = args.ranks;
     let bytes = args.elements * 4;
@@ -527,12 +613,13 @@ fn build_report(
         .iter()
         .skip(CASES.len())
         .zip([("world", p), ("group communicator", group.len())])
-        .map(|(&t, (name, members))| (name.to_string(), members, t))
+        .map(|(t, (name, members))| (name.to_string(), members, t.median_s))
         .collect();
     let mut rows: Vec<Row> = CASES
         .iter()
         .zip(times)
-        .map(|(case, t)| {
+        .map(|(case, measured)| {
+            let t = measured.median_s;
             let choice = AlgorithmChoice {
                 algorithm: case.algorithm.unwrap_or_default(),
                 // As the threaded executor sets it for the streams' rounds.
@@ -543,16 +630,17 @@ fn build_report(
                 case_schedule(case, 0, p, grouping.as_ref(), args.elements, &choice);
             let cost = sched.cost();
             let gb = bytes as f64 / t / 1e9;
+            let schedules: Vec<schedule::Schedule> = (0..p)
+                .map(|r| case_schedule(case, r, p, grouping.as_ref(), args.elements, &choice).1)
+                .collect();
             let memory_bound = memory.as_ref().and_then(|rates| {
-                let traffic: Vec<usize> = (0..p)
-                    .map(|r| {
-                        let (_, sched, _) =
-                            case_schedule(case, r, p, grouping.as_ref(), args.elements, &choice);
-                        in_process_traffic(&sched)
-                    })
-                    .collect();
+                let traffic: Vec<usize> = schedules.iter().map(in_process_traffic).collect();
                 memory_bound_gb_per_s(bytes, &traffic, rates)
             });
+            let sent: usize = schedules.iter().map(|s| s.cost().bytes).sum();
+            let cpu = measured
+                .cpu_s
+                .map(|(cpu_s, wall_s)| CpuUse::new(cpu_s, wall_s, sent * args.reps));
             Row {
                 collective: case.name.into(),
                 algorithm: algo_name(case.algorithm),
@@ -565,6 +653,7 @@ fn build_report(
                 messages_per_rank: cost.messages,
                 bytes_per_rank: cost.bytes,
                 optimal_bytes_per_rank: optimal,
+                cpu,
             }
         })
         .collect();
@@ -583,15 +672,16 @@ fn build_report(
             messages_per_rank: 0,
             bytes_per_rank: 0,
             optimal_bytes_per_rank: optimal,
+            cpu: None,
         });
     }
-    if let Some(gb) = loopback {
+    if let Some(stream) = loopback {
         rows.push(stream_row(
             "loopback-stream",
             "one TCP connection".into(),
             2,
             bytes,
-            gb,
+            stream,
             memcpy,
         ));
     }
@@ -601,21 +691,22 @@ fn build_report(
         buffer_bytes: bytes,
         memcpy_gb_per_s: memcpy,
         memory_rates: memory,
-        loopback_gb_per_s: loopback,
+        loopback_gb_per_s: loopback.map(|l| l.gb_per_s),
         concurrent_loopback_gb_per_s: None,
         rows,
     }
 }
 
-/// A row for raw loopback streams that carry `bytes` each at `gb` GB/s.
+/// A row for raw loopback streams that carry `bytes` each.
 fn stream_row(
     collective: &str,
     algorithm: String,
     members: usize,
     bytes: usize,
-    gb: f64,
+    streams: Streams,
     memcpy: f64,
 ) -> Row {
+    let gb = streams.gb_per_s;
     Row {
         collective: collective.into(),
         algorithm,
@@ -628,6 +719,7 @@ fn stream_row(
         messages_per_rank: 1,
         bytes_per_rank: bytes,
         optimal_bytes_per_rank: bytes,
+        cpu: Some(streams.cpu),
     }
 }
 
@@ -680,6 +772,15 @@ fn print_table(r: &Report) {
         header.push("busbw x P streams");
     }
     header.extend(["msgs/rank", "MiB/rank", "x optimal"]);
+    let cpu = r.rows.iter().any(|row| row.cpu.is_some());
+    if cpu {
+        println!(
+            "cores busy: the CPU time of all ranks' processes (of the streams' threads) in the \
+             timed repetitions over their wall time; CPU ns/B: that CPU time per byte all ranks \
+             sent"
+        );
+        header.extend(["cores busy", "CPU ns/B"]);
+    }
     let mut t = Table::new();
     t.set_header(header);
     for row in &r.rows {
@@ -710,6 +811,10 @@ fn print_table(r: &Report) {
             format!("{:.1}", row.bytes_per_rank as f64 / (1 << 20) as f64),
             or_dash(ratio),
         ]);
+        if cpu {
+            cells.push(or_dash(row.cpu.map(|c| c.cores)));
+            cells.push(or_dash(row.cpu.map(|c| c.ns_per_byte)));
+        }
         t.add_row(cells);
     }
     println!("{t}");

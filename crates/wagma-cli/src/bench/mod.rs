@@ -123,14 +123,40 @@ pub fn engine_config() -> EngineConfig {
     }
 }
 
+/// Every rank's `x`, in rank order (every rank must call it).
+async fn every_rank(c: &mut Comm, x: f64) -> Result<Vec<f64>, wagma::Error> {
+    let mut all = vec![0f32; c.size()];
+    all[c.rank()] = x as f32;
+    let all = c.allreduce(Payload::Data(all)).await?;
+    Ok(all.as_slice().iter().copied().map(f64::from).collect())
+}
+
 /// The slowest rank's `dt` (every rank must call it).
 pub async fn slowest(c: &mut Comm, dt: f64) -> Result<f64, wagma::Error> {
-    let mut all = vec![0f32; c.size()];
-    all[c.rank()] = dt as f32;
-    let all = c.allreduce(Payload::Data(all)).await?;
-    Ok(f64::from(
-        all.as_slice().iter().copied().fold(0.0f32, f32::max),
-    ))
+    Ok(every_rank(c, dt).await?.into_iter().fold(0.0, f64::max))
+}
+
+/// The sum of every rank's `x` (every rank must call it).
+pub async fn total(c: &mut Comm, x: f64) -> Result<f64, wagma::Error> {
+    Ok(every_rank(c, x).await?.into_iter().sum())
+}
+
+/// CPU time used so far, in seconds: by this process, or by the calling thread alone.
+pub fn cpu_seconds(thread_only: bool) -> f64 {
+    let clock = if thread_only {
+        libc::CLOCK_THREAD_CPUTIME_ID
+    } else {
+        libc::CLOCK_PROCESS_CPUTIME_ID
+    };
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only the timespec it is given.
+    if unsafe { libc::clock_gettime(clock, &mut t) } != 0 {
+        return f64::NAN;
+    }
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 /// Runs `task` on `ranks` ranks over `transport` and returns rank 0's result.

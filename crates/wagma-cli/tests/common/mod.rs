@@ -59,6 +59,14 @@ pub fn bench_collectives_rows(
     rows
 }
 
+/// Asserts that a row of `wagma bench collectives` reports the CPU its ranks spent.
+pub fn assert_cpu_measured(row: &serde_json::Value) {
+    for k in ["cores", "ns_per_byte"] {
+        let x = row["cpu"][k].as_f64().unwrap_or(f64::NAN);
+        assert!(x.is_finite() && x > 0.0, "{k}: {row}");
+    }
+}
+
 /// `wagma` under `mpirun -n N` with the Open MPI settings of a container: as root,
 /// oversubscribed, on loopback.
 pub fn mpirun(n: usize) -> std::process::Command {
