@@ -20,8 +20,10 @@ fn algorithm(k: u8) -> EngineConfig {
                 _ => AllreduceAlgorithm::ReduceBroadcast,
             },
             small_bytes: 256,
-            // Auto with the in-process executor's preference for pairs, for one value of k.
+            // Auto with the in-process executor's preference for pairs, for one value of k,
+            // and with the TCP executor's for another (the executors set their own).
             shared_memory: k % 8 == 4,
+            fold_on_arrival: k.is_multiple_of(8),
         },
         ..EngineConfig::default()
     }

@@ -622,8 +622,9 @@ fn build_report(
             let t = measured.median_s;
             let choice = AlgorithmChoice {
                 algorithm: case.algorithm.unwrap_or_default(),
-                // As the threaded executor sets it for the streams' rounds.
+                // As the threaded executor sets them for the streams' rounds.
                 shared_memory: args.transport == TransportKind::Mem,
+                fold_on_arrival: args.transport == TransportKind::Tcp,
                 ..AlgorithmChoice::default()
             };
             let (members, sched, optimal) =

@@ -111,6 +111,9 @@ pub fn spawn(
     inbox: Receiver<Incoming>,
     start: Instant,
 ) -> Result<(Comm, JoinHandle<()>), Error> {
+    let mut cfg = cfg;
+    // Where a part is summed as it arrives, a pair's one exchange beats two half-exchanges.
+    cfg.algorithm.fold_on_arrival = transport.folds();
     let (tx, rx) = unbounded();
     let engine = Engine::new(rank, ranks, cfg);
     let handle = std::thread::Builder::new()

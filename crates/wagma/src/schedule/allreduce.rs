@@ -326,7 +326,7 @@ mod tests {
     }
 
     #[test]
-    fn pairs_reduce_once_with_shared_memory() {
+    fn pairs_reduce_once_with_shared_memory_and_exchange_once_where_parts_fold() {
         let shared = AlgorithmChoice {
             shared_memory: true,
             ..AlgorithmChoice::default()
@@ -338,6 +338,22 @@ mod tests {
         assert_eq!(shared.resolve(4, 10), AllreduceAlgorithm::RecursiveDoubling);
         assert_eq!(
             AlgorithmChoice::default().resolve(2, 1 << 20),
+            AllreduceAlgorithm::ReduceScatterAllgather
+        );
+        // Where the transport sums on arrival: recursive doubling, the least bytes in one
+        // message, whatever the size; groups of four as before.
+        let folding = AlgorithmChoice {
+            fold_on_arrival: true,
+            ..AlgorithmChoice::default()
+        };
+        for len in [10, 1 << 20] {
+            assert_eq!(
+                folding.resolve(2, len),
+                AllreduceAlgorithm::RecursiveDoubling
+            );
+        }
+        assert_eq!(
+            folding.resolve(4, 1 << 20),
             AllreduceAlgorithm::ReduceScatterAllgather
         );
         // The lowest member sums once; the other sends its buffer and receives the result.

@@ -242,7 +242,8 @@ impl Schedule {
 #[serde(rename_all = "kebab-case")]
 pub enum AllreduceAlgorithm {
     /// Recursive doubling for small buffers on power-of-two groups, reduce-scatter + allgather
-    /// otherwise (see [`AlgorithmChoice`]).
+    /// otherwise; for pairs, reduce-broadcast where they share memory and recursive doubling
+    /// where the transport sums on arrival (see [`AlgorithmChoice`]).
     #[default]
     Auto,
     /// Latency-optimal: log2(S) exchanges of the whole buffer (groups that are not a power of
@@ -288,6 +289,13 @@ pub struct AlgorithmChoice {
     /// would then time a different pattern).
     #[serde(default)]
     pub shared_memory: bool,
+    /// The transport sums a large received part into the rank's own as it arrives (TCP; see
+    /// [`crate::engine::Engine::fold_on_arrival`]): with `Auto`, pairs use
+    /// [`AllreduceAlgorithm::RecursiveDoubling`] at any size. It sends the least bytes, as
+    /// reduce-scatter + allgather does, in one message instead of two, and its sum of the
+    /// whole buffer overlaps the transfer. Set by the executor, never by a simulation.
+    #[serde(default)]
+    pub fold_on_arrival: bool,
 }
 
 impl Default for AlgorithmChoice {
@@ -296,6 +304,7 @@ impl Default for AlgorithmChoice {
             algorithm: AllreduceAlgorithm::Auto,
             small_bytes: 64 * 1024,
             shared_memory: false,
+            fold_on_arrival: false,
         }
     }
 }
@@ -308,7 +317,9 @@ impl AlgorithmChoice {
                 // Same bits as the others for a pair: a + b in rank order either way.
                 if self.shared_memory && members == 2 {
                     AllreduceAlgorithm::ReduceBroadcast
-                } else if members.is_power_of_two() && len * 4 <= self.small_bytes {
+                } else if self.fold_on_arrival && members == 2
+                    || members.is_power_of_two() && len * 4 <= self.small_bytes
+                {
                     AllreduceAlgorithm::RecursiveDoubling
                 } else {
                     AllreduceAlgorithm::ReduceScatterAllgather
