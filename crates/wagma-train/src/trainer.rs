@@ -414,6 +414,13 @@ pub fn run<W: Workload>(
     if process.is_some() {
         cfg.algo.validate(ranks)?;
     }
+    if let Some(n) = w.train_samples().filter(|&n| n < ranks) {
+        // A rank with an empty shard would train on empty batches.
+        return Err(TrainError::Config(format!(
+            "{ranks} ranks but {n} training samples: each rank trains on a shard of its own, so \
+             this data allows at most {n} ranks"
+        )));
+    }
     let resume = match &cfg.resume {
         Some(p) => {
             let ckpt = checkpoint::locate(p)?;

@@ -75,6 +75,22 @@ fn image_learns_and_wagma_matches_allreduce_sgd() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn more_ranks_than_training_samples_are_refused() {
+    let w = ImageWorkload::new(mnist1d::generate(3, 1), mnist1d::generate(10, 2), 4, 8);
+    let dir = out("too-many-ranks");
+    match trainer::run(
+        &w,
+        &config(WorkloadKind::Image, "wagma", 4, 2, &dir),
+        "test".into(),
+        &Quiet,
+    ) {
+        Err(TrainError::Config(m)) => assert!(m.contains("at most 3 ranks"), "{m}"),
+        other => panic!("4 ranks on 3 samples: {:?}", other.map(|s| s.final_metrics)),
+    }
+    assert!(!dir.exists(), "nothing is written");
+}
+
 /// A toy language pair with a known translation: number words.
 fn toy_corpus() -> Corpus {
     let en = [

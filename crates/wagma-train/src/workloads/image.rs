@@ -218,6 +218,10 @@ impl Workload for ImageWorkload {
         ResNet::new(self.train.channels, self.train.height, self.width, device)
     }
 
+    fn train_samples(&self) -> Option<usize> {
+        Some(self.train_len())
+    }
+
     fn local(&self, rank: usize, ranks: usize, seed: u64) -> ImageLocal {
         let sampler = if self.non_iid {
             let shard = crate::data::label_skewed_shard(&self.train.labels, rank, ranks, seed);

@@ -22,6 +22,10 @@ pub trait Workload: Sync {
     /// model, so only the architecture matters).
     fn build(&self, device: &Device) -> Self::Model;
 
+    /// The training samples the ranks shard among themselves (every rank needs at least one),
+    /// or `None` where each rank makes its own (episodes).
+    fn train_samples(&self) -> Option<usize>;
+
     /// The state of `rank` among `ranks`.
     fn local(&self, rank: usize, ranks: usize, seed: u64) -> Self::Local;
 

@@ -268,6 +268,10 @@ impl Workload for NavigateWorkload {
         ActorCritic::new(self.env.obs_len(), self.hidden, device)
     }
 
+    fn train_samples(&self) -> Option<usize> {
+        None
+    }
+
     fn local(&self, rank: usize, _ranks: usize, seed: u64) -> NavLocal {
         let rng_seed = seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut l = NavLocal {

@@ -262,6 +262,10 @@ impl Workload for TranslateWorkload {
         )
     }
 
+    fn train_samples(&self) -> Option<usize> {
+        Some(self.train_len())
+    }
+
     fn local(&self, rank: usize, ranks: usize, seed: u64) -> TranslateLocal {
         TranslateLocal {
             sampler: BucketSampler::new(&self.corpus.train, rank, ranks, seed),
