@@ -24,8 +24,14 @@ use crate::payload::{Payload, pool};
 /// The tag of every wagma message (the real tag travels in the header).
 const TAG: mpi::Tag = 0x3a;
 const FOLLOWS: u8 = 1;
-/// Longest wait for the values announced by a header.
+/// Longest wait for the values announced by a header (they are sent right after it).
 const PAYLOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A header whose values have not been received yet.
+struct Announced {
+    env: Envelope,
+    deadline: std::time::Instant,
+}
 
 /// A send in flight with the buffer it reads from.
 enum InFlight {
@@ -40,6 +46,8 @@ pub struct MpiTransport {
     size: usize,
     inbox: Sender<Incoming>,
     in_flight: Vec<InFlight>,
+    /// Per peer, the header whose values are the next message from it (MPI keeps the order).
+    announced: Vec<Option<Announced>>,
     max_frame: u64,
     // Dropped last: finalizes MPI once every request has completed.
     _universe: Universe,
@@ -80,6 +88,7 @@ impl MpiTransport {
             size,
             inbox,
             in_flight: Vec::new(),
+            announced: (0..size).map(|_| None).collect(),
             max_frame,
             _universe: universe,
         })
@@ -111,12 +120,12 @@ impl MpiTransport {
         }
     }
 
-    fn receive(&mut self, bytes: Vec<u8>, status: Status) -> Result<Envelope, TransportError> {
-        let from = usize::try_from(status.source_rank()).unwrap_or(usize::MAX);
+    /// A header from `from`: its envelope, and whether its values follow as the next message.
+    fn header(&self, from: Rank, bytes: &[u8]) -> Result<(Envelope, bool), TransportError> {
         let (flag, frame) = bytes
             .split_first()
             .ok_or_else(|| TransportError::Malformed("empty MPI header".into()))?;
-        let mut env = read_frame(&mut &frame[..], self.max_frame)?
+        let env = read_frame(&mut &frame[..], self.max_frame)?
             .ok_or_else(|| TransportError::Malformed("empty MPI header".into()))?;
         if env.from != from {
             return Err(TransportError::Peer {
@@ -139,35 +148,69 @@ impl MpiTransport {
                     max: self.max_frame,
                 });
             }
-            // The values follow their header from the same sender (MPI keeps the order), so
-            // they are due at once; a bounded wait still ends with an error naming the peer.
-            let source = self.world.process_at_rank(status.source_rank());
-            let deadline = std::time::Instant::now() + PAYLOAD_WAIT;
-            let (msg, st) = loop {
-                if let Some(found) = source.immediate_matched_probe_with_tag(TAG) {
-                    break found;
-                }
-                if std::time::Instant::now() >= deadline {
-                    return Err(TransportError::Peer {
-                        peer: from,
-                        message: format!(
-                            "sent a header but not its {n} values within {} s",
-                            PAYLOAD_WAIT.as_secs()
-                        ),
-                    });
-                }
-                std::thread::yield_now();
-            };
-            if st.count(f32::equivalent_datatype()) as usize != n {
-                return Err(TransportError::Malformed(format!(
-                    "payload of rank {from} does not match its header"
-                )));
-            }
-            let mut v = pool::take_scratch(n);
-            msg.matched_receive_into(&mut v[..]);
-            env.data = Payload::Data(v);
         }
-        Ok(env)
+        Ok((env, *flag == FOLLOWS))
+    }
+
+    /// Receives the message a probe matched from `from`: a header, or the values of the
+    /// header that came before it. A message ready for the engine is returned.
+    fn receive(
+        &mut self,
+        from: Rank,
+        msg: mpi::point_to_point::Message,
+        status: Status,
+    ) -> Result<Option<Envelope>, TransportError> {
+        let Some(Announced { mut env, .. }) = self.announced.get_mut(from).and_then(Option::take)
+        else {
+            let (bytes, _) = (msg, status).matched_receive_vec::<u8>();
+            let (env, follows) = self.header(from, &bytes)?;
+            if !follows {
+                return Ok(Some(env));
+            }
+            let slot = self
+                .announced
+                .get_mut(from)
+                .ok_or_else(|| TransportError::Peer {
+                    peer: from,
+                    message: format!("no such rank (job has {})", self.size),
+                })?;
+            *slot = Some(Announced {
+                env,
+                deadline: std::time::Instant::now() + PAYLOAD_WAIT,
+            });
+            return Ok(None);
+        };
+        let n = env.data.len();
+        if status.count(f32::equivalent_datatype()) as usize != n {
+            return Err(TransportError::Malformed(format!(
+                "payload of rank {from} does not match its header"
+            )));
+        }
+        let mut v = pool::take_scratch(n);
+        msg.matched_receive_into(&mut v[..]);
+        env.data = Payload::Data(v);
+        Ok(Some(env))
+    }
+
+    /// A header whose values are overdue, as an error naming its sender.
+    fn overdue(&self) -> Result<(), TransportError> {
+        let now = std::time::Instant::now();
+        match self
+            .announced
+            .iter()
+            .enumerate()
+            .find_map(|(peer, a)| a.as_ref().filter(|a| now >= a.deadline).map(|a| (peer, a)))
+        {
+            Some((peer, a)) => Err(TransportError::Peer {
+                peer,
+                message: format!(
+                    "sent a header but not its {} values within {} s",
+                    a.env.data.len(),
+                    PAYLOAD_WAIT.as_secs()
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -215,14 +258,15 @@ impl Transport for MpiTransport {
             .any_process()
             .immediate_matched_probe_with_tag(TAG)
         {
-            let (bytes, status) = (msg, status).matched_receive_vec::<u8>();
-            let env = self.receive(bytes, status)?;
-            if self.inbox.send(Ok(env.into())).is_err() {
+            let from = usize::try_from(status.source_rank()).unwrap_or(usize::MAX);
+            if let Some(env) = self.receive(from, msg, status)?
+                && self.inbox.send(Ok(env.into())).is_err()
+            {
                 break;
             }
         }
         self.complete_sends();
-        Ok(())
+        self.overdue()
     }
 
     fn poll_interval(&self) -> Option<std::time::Duration> {
