@@ -26,6 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use wagma::algo::AlgoConfig;
 
 use crate::error::TrainError;
 use crate::flat::Layout;
@@ -47,6 +48,10 @@ pub struct Meta {
     pub layout: Layout,
     /// Algorithm label.
     pub algorithm: String,
+    /// The algorithm's whole configuration (options, averaging scope, order), which the label
+    /// does not all show. Checkpoints written before it was kept have only the label.
+    #[serde(default)]
+    pub config: Option<AlgoConfig>,
     /// Ranks.
     pub ranks: usize,
     /// Iterations done.
@@ -516,6 +521,8 @@ pub struct Identity<'a> {
     pub layout: &'a Layout,
     /// Algorithm label (with its options).
     pub algorithm: &'a str,
+    /// The algorithm's whole configuration.
+    pub config: &'a AlgoConfig,
     /// Ranks.
     pub ranks: usize,
     /// Seed: the data shards and samplers are drawn from it, so another seed would continue
@@ -546,6 +553,26 @@ pub fn check_compatible(meta: &Meta, run: &Identity<'_>, ckpt: &Path) -> Result<
             meta.algorithm, run.algorithm
         ));
     }
+    if let Some(saved) = &meta.config
+        && saved != run.config
+    {
+        // The same label, other settings: name the first that differs.
+        let (a, b) = (
+            serde_json::to_value(saved),
+            serde_json::to_value(run.config),
+        );
+        let setting = match (&a, &b) {
+            (Ok(a), Ok(b)) => first_difference("", a, b),
+            _ => None,
+        };
+        return refuse(match setting {
+            Some((path, a, b)) => format!(
+                "was taken by {} with {path} = {a}, this run has {b}",
+                meta.algorithm
+            ),
+            None => format!("was taken by {} with other settings", meta.algorithm),
+        });
+    }
     if meta.ranks != run.ranks {
         return refuse(format!(
             "was taken with {} ranks, this run has {}",
@@ -559,6 +586,42 @@ pub fn check_compatible(meta: &Meta, run: &Identity<'_>, ckpt: &Path) -> Result<
         ));
     }
     Ok(())
+}
+
+/// The first place (a dotted path under `at`) where `a` and `b` differ, with both values.
+fn first_difference(
+    at: &str,
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+) -> Option<(String, String, String)> {
+    use serde_json::Value;
+    let under = |k: &str| {
+        if at.is_empty() {
+            k.to_string()
+        } else {
+            format!("{at}.{k}")
+        }
+    };
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let none = Value::Null;
+                first_difference(
+                    &under(k),
+                    x.get(k).unwrap_or(&none),
+                    y.get(k).unwrap_or(&none),
+                )
+            })
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (p, q))| first_difference(&under(&i.to_string()), p, q)),
+        _ if a == b => None,
+        _ => Some((at.to_string(), a.to_string(), b.to_string())),
+    }
 }
 
 #[cfg(test)]
@@ -590,6 +653,7 @@ mod tests {
                 }],
             },
             algorithm: "wagma".into(),
+            config: Some(AlgoConfig::new(wagma::algo::Algorithm::AllreduceSgd)),
             ranks: 2,
             iteration: it,
             seed: 1,
@@ -786,14 +850,38 @@ mod tests {
         std::fs::write(d.join(LATEST), "ckpt-0000000005\n").unwrap();
         assert!(locate(&d).is_err());
         let other = Layout { tensors: vec![] };
+        let config = m.config.clone().unwrap();
         let same = Identity {
             workload: "image",
             layout: &m.layout,
             algorithm: &m.algorithm,
+            config: &config,
             ranks: 2,
             seed: m.seed,
         };
         assert!(check_compatible(&m, &same, &c).is_ok());
+        // Checkpoints from before the whole configuration was kept: the label decides.
+        let unlabelled = Meta {
+            config: None,
+            ..m.clone()
+        };
+        let mut other_scope = config.clone();
+        other_scope.scope.average_buffers = !other_scope.scope.average_buffers;
+        let other_seed = AlgoConfig {
+            seed: 9,
+            ..config.clone()
+        };
+        assert!(
+            check_compatible(
+                &unlabelled,
+                &Identity {
+                    config: &other_scope,
+                    ..same
+                },
+                &c
+            )
+            .is_ok()
+        );
         for (run, why) in [
             (
                 Identity {
@@ -817,6 +905,21 @@ mod tests {
                 "trains with sgp",
             ),
             (Identity { ranks: 4, ..same }, "4"),
+            // The same label, another setting the label does not show.
+            (
+                Identity {
+                    config: &other_scope,
+                    ..same
+                },
+                "with scope.average_buffers = true, this run has false",
+            ),
+            (
+                Identity {
+                    config: &other_seed,
+                    ..same
+                },
+                "with seed = 0, this run has 9",
+            ),
             (
                 Identity {
                     seed: m.seed + 1,

@@ -429,6 +429,7 @@ pub fn run<W: Workload>(
                 workload: w.name(),
                 layout: &init.layout,
                 algorithm: &cfg.algo.label(),
+                config: &cfg.algo,
                 ranks,
                 seed: cfg.seed,
             };
@@ -1019,6 +1020,7 @@ async fn write_checkpoint<W: Workload>(
                 workload: s.w.name().into(),
                 layout: s.init.layout.clone(),
                 algorithm: s.cfg.algo.label(),
+                config: Some(s.cfg.algo.clone()),
                 ranks: worker.comm().size(),
                 iteration,
                 seed: s.cfg.seed,

@@ -38,6 +38,7 @@ fn meta(iteration: u64) -> Meta {
             }],
         },
         algorithm: "wagma".into(),
+        config: None,
         ranks: RANKS,
         iteration,
         seed: 1,
