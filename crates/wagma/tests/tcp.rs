@@ -628,6 +628,58 @@ fn tagged_frames_arrive_and_an_altered_one_ends_the_connection() {
 }
 
 #[test]
+fn ranks_registered_before_a_start_up_fails_learn_why() {
+    let cred = job_credentials("told");
+    let config = |rank: usize, rdv: &str, tags: bool| {
+        let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(10);
+        c.frame_integrity = tags;
+        c
+    };
+    // Rank 1 registers, then rank 2 arrives framing otherwise: rank 0 cannot start the job and
+    // says why to rank 1, which would otherwise see only rank 0 going away. Rank 2 waits a
+    // little so that rank 1 is registered first; should it still come first (a very loaded
+    // machine), rank 1 was never registered, and the scenario runs again with a longer wait.
+    let mut last = String::new();
+    for attempt in 0..6u32 {
+        let dir = TempDir::new(&format!("tcp-told-{attempt}"));
+        let (rank0, _rx0, rdv) = rendezvous_in_thread(config(0, "", true), &dir);
+        let rank1 = {
+            let c = config(1, &rdv, true);
+            std::thread::spawn(move || {
+                let (tx, _rx) = crossbeam_channel::unbounded();
+                wagma::transport::tcp::connect(&c, tx)
+                    .err()
+                    .map(|e| e.to_string())
+            })
+        };
+        std::thread::sleep(Duration::from_millis(200 << attempt));
+        let (tx2, _rx2) = crossbeam_channel::unbounded();
+        let e2 = wagma::transport::tcp::connect(&config(2, &rdv, false), tx2)
+            .err()
+            .expect("rank 2 frames otherwise than rank 0");
+        assert!(e2.to_string().contains("integrity"), "{e2}");
+        assert!(rank0.join().unwrap().is_err());
+        let e1 = rank1
+            .join()
+            .unwrap()
+            .expect("rank 1 cannot start without rank 2");
+        if !e1.contains("refused") {
+            last = e1;
+            continue;
+        }
+        assert!(
+            e1.contains("start-up failed")
+                && e1.contains("rank 2 at 127.0.0.1:")
+                && e1.contains("frames without integrity tags and rank 0 with"),
+            "{e1}"
+        );
+        return;
+    }
+    panic!("rank 1 was never told why the start-up failed (last: {last})");
+}
+
+#[test]
 fn ranks_that_disagree_on_frame_integrity_fail_to_start_naming_it() {
     let cred = job_credentials("disagree");
     let limit = Duration::from_secs(10);

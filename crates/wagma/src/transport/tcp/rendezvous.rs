@@ -167,6 +167,32 @@ pub(super) fn serve(
     let mut table: Vec<Option<SocketAddr>> = vec![None; p];
     table[0] = Some(mine);
     let mut conns = Vec::new();
+    if let Err(e) = collect(&rx, deadline, &mut table, &mut conns) {
+        // The ranks that registered would otherwise learn only that rank 0 went away.
+        let why = format!("the job's start-up failed: {e}");
+        for mut c in conns {
+            let mut w = Deadlined::new(&c.stream, Instant::now() + HANDSHAKE_TIMEOUT);
+            send_refusal(&mut c.session, &mut w, &why);
+        }
+        return Err(e);
+    }
+    let table: Vec<SocketAddr> = table.into_iter().flatten().collect();
+    for mut c in conns {
+        let mut w = Deadlined::new(&c.stream, Instant::now() + HANDSHAKE_TIMEOUT);
+        send_table(&mut c.session, &mut w, &table)?;
+    }
+    Ok(table)
+}
+
+/// Collects registrations from `rx` until every rank of `table` has one, refusing those that
+/// cannot take part; a registration that makes the start-up impossible ends it with an error.
+fn collect(
+    rx: &crossbeam_channel::Receiver<Result<(Caller, Registration), TransportError>>,
+    deadline: Instant,
+    table: &mut [Option<SocketAddr>],
+    conns: &mut Vec<Caller>,
+) -> Result<(), TransportError> {
+    let p = table.len();
     while conns.len() < p - 1 {
         let (mut c, reg): (Caller, Registration) = rx.recv_deadline(deadline).map_err(|_| {
             TransportError::Rendezvous(format!(
@@ -206,12 +232,7 @@ pub(super) fn serve(
         table[peer] = Some(reg.addr);
         conns.push(c);
     }
-    let table: Vec<SocketAddr> = table.into_iter().flatten().collect();
-    for mut c in conns {
-        let mut w = Deadlined::new(&c.stream, Instant::now() + HANDSHAKE_TIMEOUT);
-        send_table(&mut c.session, &mut w, &table)?;
-    }
-    Ok(table)
+    Ok(())
 }
 
 /// Ranks above 0 (and a process that rejoins): register `mine` with rank 0 at `rdv` and
