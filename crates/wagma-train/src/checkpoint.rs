@@ -519,9 +519,7 @@ pub struct Identity<'a> {
     pub workload: &'a str,
     /// Model layout.
     pub layout: &'a Layout,
-    /// Algorithm label (with its options).
-    pub algorithm: &'a str,
-    /// The algorithm's whole configuration.
+    /// The algorithm with all its settings (its label names it in messages).
     pub config: &'a AlgoConfig,
     /// Ranks.
     pub ranks: usize,
@@ -547,10 +545,11 @@ pub fn check_compatible(meta: &Meta, run: &Identity<'_>, ckpt: &Path) -> Result<
             run.layout.tensors.len()
         ));
     }
-    if meta.algorithm != run.algorithm {
+    let label = run.config.label();
+    if meta.algorithm != label {
         return refuse(format!(
-            "was taken by {}, this run trains with {}",
-            meta.algorithm, run.algorithm
+            "was taken by {}, this run trains with {label}",
+            meta.algorithm
         ));
     }
     if let Some(saved) = &meta.config
@@ -652,7 +651,7 @@ mod tests {
                     buffer: false,
                 }],
             },
-            algorithm: "wagma".into(),
+            algorithm: "allreduce-sgd".into(),
             config: Some(AlgoConfig::new(wagma::algo::Algorithm::AllreduceSgd)),
             ranks: 2,
             iteration: it,
@@ -851,10 +850,10 @@ mod tests {
         assert!(locate(&d).is_err());
         let other = Layout { tensors: vec![] };
         let config = m.config.clone().unwrap();
+        let sgp = AlgoConfig::new(wagma::algo::Algorithm::from_name("sgp").unwrap());
         let same = Identity {
             workload: "image",
             layout: &m.layout,
-            algorithm: &m.algorithm,
             config: &config,
             ranks: 2,
             seed: m.seed,
@@ -899,7 +898,7 @@ mod tests {
             ),
             (
                 Identity {
-                    algorithm: "sgp",
+                    config: &sgp,
                     ..same
                 },
                 "trains with sgp",

@@ -478,41 +478,24 @@ async fn replica_of(
     Ok(worker.comm().allreduce(Payload::Data(v)).await?.into_vec())
 }
 
-/// Sums `xs` over the ranks in `f64`, in rank order. The engine reduces `f32`s, which would
-/// round counts past 2^24: each rank's values travel in slots of their own (see
-/// [`own_slots`]), so the engine adds only zeros to them.
+/// Sums `xs` over the ranks in `f64`, in rank order. The engine's own sums are `f32`, which
+/// would round counts past 2^24: each value travels exactly, as its bits, through
+/// [`wagma::Comm::gather_u64`].
 pub(crate) async fn sum_over_ranks(
     worker: &mut Worker<'_>,
     xs: &[f64],
 ) -> Result<Vec<f64>, TrainError> {
-    if xs.is_empty() {
-        // Every rank has the same statistics: none of them calls the collective.
-        return Ok(Vec::new());
-    }
-    let c = worker.comm();
-    let slots = own_slots(c.rank(), c.size(), xs);
-    let all = c.allreduce(Payload::Data(slots)).await?.into_vec();
-    Ok(sum_slots(&all, xs.len()))
+    let bits: Vec<u64> = xs.iter().map(|x| x.to_bits()).collect();
+    let all = worker.comm().gather_u64(&bits).await?;
+    Ok(sum_in_rank_order(&all, xs.len()))
 }
 
-/// `ranks` slots of `xs.len()` values, zeros but for `rank`'s, which hold `xs` each as an
-/// `f32` and its remainder (the `f64` to about 48 bits).
-fn own_slots(rank: usize, ranks: usize, xs: &[f64]) -> Vec<f32> {
-    let mut slots = vec![0f32; ranks * xs.len() * 2];
-    for (slot, &x) in slots[rank * xs.len() * 2..].chunks_exact_mut(2).zip(xs) {
-        let hi = x as f32;
-        slot[0] = hi;
-        slot[1] = (x - f64::from(hi)) as f32;
-    }
-    slots
-}
-
-/// The `k` sums of every rank's slots (see [`own_slots`]), in rank order.
-fn sum_slots(all: &[f32], k: usize) -> Vec<f64> {
+/// The `k` sums of every rank's values, gathered as bits, in rank order.
+fn sum_in_rank_order(all: &[Vec<u64>], k: usize) -> Vec<f64> {
     let mut sums = vec![0f64; k];
-    for rank in all.chunks_exact(2 * k.max(1)) {
-        for (sum, slot) in sums.iter_mut().zip(rank.chunks_exact(2)) {
-            *sum += f64::from(slot[0]) + f64::from(slot[1]);
+    for rank in all {
+        for (sum, &b) in sums.iter_mut().zip(rank) {
+            *sum += f64::from_bits(b);
         }
     }
     sums
@@ -541,23 +524,22 @@ mod tests {
     #[test]
     fn sums_over_ranks_keep_what_f32_would_round() {
         // Counts past 2^24 and fractions: an f32 sum would lose the odd samples and the tails.
-        let per_rank = [
+        let per_rank: [Vec<f64>; 3] = [
             vec![16_777_217.0, 0.1, 3.0e9 + 1.0],
             vec![16_777_219.0, 0.2, 5.0],
             vec![1.0, 1e-9, 7.0],
         ];
         let ranks = per_rank.len();
-        // What the engine's f32 sum of the ranks' slots gives.
-        let mut all = vec![0f32; ranks * 3 * 2];
-        for (rank, xs) in per_rank.iter().enumerate() {
-            for (a, b) in all.iter_mut().zip(own_slots(rank, ranks, xs)) {
-                *a += b;
-            }
+        // Gathered through the engine, as the ranks of a job do.
+        let job = wagma::exec::threaded::run(ranks, wagma::EngineConfig::default(), async |c| {
+            let bits: Vec<u64> = per_rank[c.rank()].iter().map(|x| x.to_bits()).collect();
+            Ok(sum_in_rank_order(&c.gather_u64(&bits).await?, 3))
+        });
+        for sums in job.unwrap().into_all().unwrap() {
+            assert_eq!(sums[0], 33_554_437.0);
+            assert!((sums[1] - 0.300_000_001).abs() < 1e-12, "{}", sums[1]);
+            assert_eq!(sums[2], 3_000_000_013.0);
         }
-        let sums = sum_slots(&all, 3);
-        assert_eq!(sums[0], 33_554_437.0);
-        assert!((sums[1] - 0.300_000_001).abs() < 1e-12, "{}", sums[1]);
-        assert_eq!(sums[2], 3_000_000_013.0);
         // An f32 sum of the values themselves would not.
         assert_ne!(f64::from(16_777_217f32 + 16_777_219f32 + 1.0), 33_554_437.0);
     }

@@ -428,7 +428,6 @@ pub fn run<W: Workload>(
             let run = checkpoint::Identity {
                 workload: w.name(),
                 layout: &init.layout,
-                algorithm: &cfg.algo.label(),
                 config: &cfg.algo,
                 ranks,
                 seed: cfg.seed,

@@ -341,10 +341,12 @@ fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Resul
                 }
                 // Every writer meets the others before every copy, even after a failure of its
                 // own, so that none waits for a writer that gave up.
-                let mut start = None;
-                for _ in 0..=reps {
-                    round.wait();
-                    start.get_or_insert_with(|| (Instant::now(), super::cpu_seconds(true)));
+                round.wait();
+                let (at, cpu) = (Instant::now(), super::cpu_seconds(true));
+                for copy in 0..=reps {
+                    if copy > 0 {
+                        round.wait();
+                    }
                     // In the pieces the TCP transport writes (the fastest way found here).
                     if let Ok(st) = &mut s
                         && let Err(e) = src
@@ -354,7 +356,6 @@ fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Resul
                         s = Err(e);
                     }
                 }
-                let (at, cpu) = start.unwrap_or_else(|| (Instant::now(), super::cpu_seconds(true)));
                 s.map(|_| (at, super::cpu_seconds(true) - cpu))
             },
         ));
@@ -627,18 +628,21 @@ fn build_report(
                 fold_on_arrival: args.transport == TransportKind::Tcp,
                 ..AlgorithmChoice::default()
             };
-            let (members, sched, optimal) =
-                case_schedule(case, 0, p, grouping.as_ref(), args.elements, &choice);
-            let cost = sched.cost();
-            let gb = bytes as f64 / t / 1e9;
-            let schedules: Vec<schedule::Schedule> = (0..p)
-                .map(|r| case_schedule(case, r, p, grouping.as_ref(), args.elements, &choice).1)
+            // Every rank's schedule; the row reports rank 0's.
+            let per_rank: Vec<(usize, schedule::Schedule, usize)> = (0..p)
+                .map(|r| case_schedule(case, r, p, grouping.as_ref(), args.elements, &choice))
                 .collect();
+            let (members, optimal) = (per_rank[0].0, per_rank[0].2);
+            let cost = per_rank[0].1.cost();
+            let gb = bytes as f64 / t / 1e9;
             let memory_bound = memory.as_ref().and_then(|rates| {
-                let traffic: Vec<usize> = schedules.iter().map(in_process_traffic).collect();
+                let traffic: Vec<usize> = per_rank
+                    .iter()
+                    .map(|(_, s, _)| in_process_traffic(s))
+                    .collect();
                 memory_bound_gb_per_s(bytes, &traffic, rates)
             });
-            let sent: usize = schedules.iter().map(|s| s.cost().bytes).sum();
+            let sent: usize = per_rank.iter().map(|(_, s, _)| s.cost().bytes).sum();
             let cpu = measured
                 .cpu_s
                 .map(|(cpu_s, wall_s)| CpuUse::new(cpu_s, wall_s, sent * args.reps));

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use wagma::algo::{AlgoConfig, Algorithm, WagmaOptions};
 use wagma::exec::threaded;
 use wagma::transport::tcp::TcpConfig;
-use wagma::{Comm, EngineConfig, Payload, block_on};
+use wagma::{Comm, EngineConfig, block_on};
 
 use crate::local::LocalJob;
 
@@ -123,12 +123,10 @@ pub fn engine_config() -> EngineConfig {
     }
 }
 
-/// Every rank's `x`, in rank order (every rank must call it).
+/// Every rank's `x`, in rank order, exactly (every rank must call it).
 async fn every_rank(c: &mut Comm, x: f64) -> Result<Vec<f64>, wagma::Error> {
-    let mut all = vec![0f32; c.size()];
-    all[c.rank()] = x as f32;
-    let all = c.allreduce(Payload::Data(all)).await?;
-    Ok(all.as_slice().iter().copied().map(f64::from).collect())
+    let all = c.gather_u64(&[x.to_bits()]).await?;
+    Ok(all.iter().flatten().map(|&b| f64::from_bits(b)).collect())
 }
 
 /// The slowest rank's `dt` (every rank must call it).

@@ -956,14 +956,12 @@ impl Engine {
         let rank = self.rank;
         for r in &mut self.running {
             if r.kind == env.tag.kind && r.seq == env.tag.seq {
-                // Kept only while a fold may have to be withdrawn.
-                let sender =
-                    (self.fold_requests.is_some() && !folded).then_some((env.from, env.tag));
+                let (from, tag) = (env.from, env.tag);
                 return match r.accept(rank, env, folded)? {
                     None => {
                         // Its phase asked for a fold that came too late for it: left in
                         // place, it could catch a later message that reuses the tag.
-                        if let Some((from, tag)) = sender
+                        if !folded
                             && r.fold_unused()
                             && let Some(q) = &mut self.fold_requests
                         {
@@ -1024,10 +1022,7 @@ impl Engine {
     /// operation it is.
     fn check_run(&self, run: &CollectiveRun) -> Result<Op, Error> {
         let op = run.op();
-        let detail = if matches!(
-            run.kind,
-            Kind::Activation | Kind::Round | Kind::Sync | Kind::Control
-        ) {
+        let detail = if !matches!(run.kind, Kind::Collective | Kind::Exchange | Kind::Pair) {
             // Their messages never reach a schedule run for the caller (or belong to the
             // stream's rounds): it would wait for them until its timeout.
             format!(
@@ -1126,23 +1121,15 @@ impl Engine {
             let mut progressed = false;
             let mut i = 0;
             let mut scratch = PHASE_SCRATCH.take();
-            let folding = self.fold_requests.is_some();
-            let mut asked = None;
             while i < self.running.len() {
                 let step = {
                     let rank = self.rank;
                     let unexpected = &mut self.unexpected;
                     let dead = &self.dead;
+                    let asks = self.fold_requests.as_mut();
                     let PhaseScratch { sends, reducing } = &mut scratch;
-                    let fold = folding.then_some(&mut asked);
-                    self.running[i].advance(rank, unexpected, sends, fold, dead, reducing)
+                    self.running[i].advance(rank, unexpected, sends, asks, dead, reducing)
                 };
-                if folding
-                    && let Some((from, fold)) = asked.take()
-                    && let Some(q) = &mut self.fold_requests
-                {
-                    q.push(FoldRequest::Ask { from, fold });
-                }
                 for (to, env) in scratch.sends.drain(..) {
                     self.send(to, env, out);
                 }

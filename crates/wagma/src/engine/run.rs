@@ -9,7 +9,7 @@ use rustc_hash::FxHashMap;
 use super::buffer::WorkBuf;
 use super::contributions::OwnContributions;
 use super::rank_set::RankSet;
-use super::{ReqId, Time};
+use super::{FoldRequest, ReqId, Time};
 use crate::Rank;
 use crate::error::{Error, Op};
 use crate::payload::{Payload, Reduce};
@@ -419,7 +419,7 @@ impl Running {
         Ok(())
     }
 
-    /// Asks the transport (through `asked`) to fold the part `recv` of the phase just posted
+    /// Asks the transport (through `asks`) to fold the part `recv` of the phase just posted
     /// into this rank's own as it arrives, if the part is large and real. (Fields apart: the
     /// phase borrows the schedule.)
     #[cold]
@@ -430,7 +430,7 @@ impl Running {
         recv: &Transfer,
         tag: Tag,
         op: Reduce,
-        asked: &mut Option<(Rank, Fold)>,
+        asks: &mut Vec<FoldRequest>,
     ) {
         if recv.range.len() < FOLD_MIN_ELEMENTS {
             return;
@@ -439,7 +439,10 @@ impl Running {
         let Some(own) = buf.view(recv.range.clone()).downgrade() else {
             return;
         };
-        *asked = Some((from, Fold { tag, own, op }));
+        asks.push(FoldRequest::Ask {
+            from,
+            fold: Fold { tag, own, op },
+        });
         *fold = FoldState::Asked;
     }
 
@@ -499,7 +502,7 @@ impl Running {
         rank: Rank,
         unexpected: &mut FxHashMap<(Tag, Rank), VecDeque<Envelope>>,
         sends: &mut Vec<(Rank, Envelope)>,
-        mut fold: Option<&mut Option<(Rank, Fold)>>,
+        mut asks: Option<&mut Vec<FoldRequest>>,
         dead: &RankSet,
         scratch: &mut ReduceScratch,
     ) -> Result<bool, Error> {
@@ -586,8 +589,8 @@ impl Running {
                 }
                 // One peer's part combined with this rank's, not here yet: the transport may
                 // combine it as it arrives. (At most one per call: the phase then waits.)
-                if let (Some(asked), Combine::Reduce(op), [r]) =
-                    (fold.as_deref_mut(), phase.combine, &phase.recvs[..])
+                if let (Some(asks), Combine::Reduce(op), [r]) =
+                    (asks.as_deref_mut(), phase.combine, &phase.recvs[..])
                     && self.got[0].is_none()
                     && !self.absent[0]
                 {
@@ -597,7 +600,7 @@ impl Running {
                         step: r.step,
                     };
                     let from = members.rank_at(r.peer);
-                    Self::ask_fold(&mut self.buf, &mut self.fold, from, r, tag, op, asked);
+                    Self::ask_fold(&mut self.buf, &mut self.fold, from, r, tag, op, asks);
                 }
             }
             if self.waiting > 0 {

@@ -93,9 +93,7 @@ impl Net {
             if let Some(i) = asked {
                 let (_, _, fold) = self.folds.swap_remove(i);
                 let own = fold.own.upgrade().expect("the part waits for this message");
-                let mut v = Vec::new();
-                fold.op.extend(&mut v, own.as_slice(), env.data.as_slice());
-                env.data = Payload::Data(v);
+                env.data = Payload::reduce_of(&own, &env.data, fold.op);
                 self.folded += 1;
                 self.engines[to].on_folded_message(Duration::ZERO, env, &mut out);
             } else {

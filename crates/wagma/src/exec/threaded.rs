@@ -111,11 +111,14 @@ pub fn spawn(
     inbox: Receiver<Incoming>,
     start: Instant,
 ) -> Result<(Comm, JoinHandle<()>), Error> {
+    // Where the transport sums a part as it arrives, the engine asks it to, and a pair's one
+    // exchange beats two half-exchanges.
+    let folds = transport.folds();
     let mut cfg = cfg;
-    // Where a part is summed as it arrives, a pair's one exchange beats two half-exchanges.
-    cfg.algorithm.fold_on_arrival = transport.folds();
+    cfg.algorithm.fold_on_arrival = folds;
     let (tx, rx) = unbounded();
-    let engine = Engine::new(rank, ranks, cfg);
+    let mut engine = Engine::new(rank, ranks, cfg);
+    engine.fold_on_arrival(folds);
     let handle = std::thread::Builder::new()
         .name(format!("wagma-engine-{rank}"))
         .spawn(move || engine_loop(engine, transport as Box<dyn Transport>, rx, inbox, start))
@@ -134,7 +137,6 @@ fn engine_loop(
     inbox: Receiver<Incoming>,
     start: Instant,
 ) {
-    engine.fold_on_arrival(transport.folds());
     let mut slots: HashMap<ReqId, Arc<Slot>> = HashMap::new();
     let mut next_id: ReqId = 0;
     let mut out = Vec::new();

@@ -7,6 +7,8 @@
 //! non-overtaking rule keeps the two in order. Groups are peer lists over the world
 //! communicator: no communicator is ever created per group.
 
+use std::collections::HashMap;
+
 use crossbeam_channel::Sender;
 use mpi::Threading;
 use mpi::datatype::Equivalence;
@@ -46,8 +48,8 @@ pub struct MpiTransport {
     size: usize,
     inbox: Sender<Incoming>,
     in_flight: Vec<InFlight>,
-    /// Per peer, the header whose values are the next message from it (MPI keeps the order).
-    announced: Vec<Option<Announced>>,
+    /// By peer, the header whose values are the next message from it (MPI keeps the order).
+    announced: HashMap<Rank, Announced>,
     max_frame: u64,
     // Dropped last: finalizes MPI once every request has completed.
     _universe: Universe,
@@ -88,7 +90,7 @@ impl MpiTransport {
             size,
             inbox,
             in_flight: Vec::new(),
-            announced: (0..size).map(|_| None).collect(),
+            announced: HashMap::new(),
             max_frame,
             _universe: universe,
         })
@@ -160,24 +162,14 @@ impl MpiTransport {
         msg: mpi::point_to_point::Message,
         status: Status,
     ) -> Result<Option<Envelope>, TransportError> {
-        let Some(Announced { mut env, .. }) = self.announced.get_mut(from).and_then(Option::take)
-        else {
+        let Some(Announced { mut env, .. }) = self.announced.remove(&from) else {
             let (bytes, _) = (msg, status).matched_receive_vec::<u8>();
             let (env, follows) = self.header(from, &bytes)?;
             if !follows {
                 return Ok(Some(env));
             }
-            let slot = self
-                .announced
-                .get_mut(from)
-                .ok_or_else(|| TransportError::Peer {
-                    peer: from,
-                    message: format!("no such rank (job has {})", self.size),
-                })?;
-            *slot = Some(Announced {
-                env,
-                deadline: std::time::Instant::now() + PAYLOAD_WAIT,
-            });
+            let deadline = std::time::Instant::now() + PAYLOAD_WAIT;
+            self.announced.insert(from, Announced { env, deadline });
             return Ok(None);
         };
         let n = env.data.len();
@@ -195,13 +187,8 @@ impl MpiTransport {
     /// A header whose values are overdue, as an error naming its sender.
     fn overdue(&self) -> Result<(), TransportError> {
         let now = std::time::Instant::now();
-        match self
-            .announced
-            .iter()
-            .enumerate()
-            .find_map(|(peer, a)| a.as_ref().filter(|a| now >= a.deadline).map(|a| (peer, a)))
-        {
-            Some((peer, a)) => Err(TransportError::Peer {
+        match self.announced.iter().find(|(_, a)| now >= a.deadline) {
+            Some((&peer, a)) => Err(TransportError::Peer {
                 peer,
                 message: format!(
                     "sent a header but not its {} values within {} s",
