@@ -467,8 +467,8 @@ impl<'c> Worker<'c> {
 
     /// Brings the replica to a state that a checkpoint can hold: every rank calls it at the
     /// same iteration, at a clean point. Ranks wait for each other, a passive AD-PSGD rank
-    /// folds in the averaging its engine did since its last step, and all continue at the same
-    /// instant ([`Comm::align`]).
+    /// folds in the averaging its engine did since its last step, and all continue together
+    /// (at the same virtual instant under the deterministic executor: [`Comm::align`]).
     pub async fn quiesce(&mut self) -> Result<(), Error> {
         self.comm.barrier().await?;
         let gossips = matches!(self.cfg.algorithm, Algorithm::AdPsgd { gossip: Some(_) });

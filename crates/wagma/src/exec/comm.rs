@@ -377,12 +377,16 @@ impl Comm {
             .collect())
     }
 
-    /// A barrier after which every rank continues at the same instant: the ranks agree on the
-    /// latest clock among them and each waits until 10 ms after it. Under the deterministic
-    /// executor this makes what follows independent of what came before (a run resumed here
-    /// replays the uninterrupted one); under threads it costs a short sleep.
+    /// A barrier after which, under the deterministic executor, every rank continues at the
+    /// same instant: the ranks agree on the latest virtual clock among them and each waits
+    /// until 10 ms after it, which makes what follows independent of what came before (a run
+    /// resumed here replays the uninterrupted one). Under threads it is a plain barrier: the
+    /// ranks' wall clocks start when their processes do, and do not compare.
     pub async fn align(&mut self) -> Result<(), Error> {
         const MARGIN: Duration = Duration::from_millis(10);
+        if !self.port.virtual_clock() {
+            return self.barrier().await;
+        }
         let t = u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX);
         let latest = self
             .gather_u64(&[t])

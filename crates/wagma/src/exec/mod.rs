@@ -97,6 +97,9 @@ pub(crate) trait Port: Send + Sync {
     fn submit(&self, req: Request) -> Pending;
     /// Time since the job started (wall-clock or virtual).
     fn now(&self) -> Duration;
+    /// Whether every rank reads one clock that only the executor advances (virtual time):
+    /// only then do two ranks' [`Port::now`] compare.
+    fn virtual_clock(&self) -> bool;
     /// Lets `d` of (emulated) compute time pass.
     fn sleep(&self, d: Duration) -> Pending;
     /// Leaves the job: `abort` tells the peers this rank failed.

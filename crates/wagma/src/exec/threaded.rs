@@ -11,7 +11,7 @@ use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use super::{Comm, JobResult, Pending, Port, Slot, block_on};
 use crate::Rank;
 use crate::engine::{Action, Engine, EngineConfig, FoldRequest, ReqId, Request, Response};
-use crate::error::{ConfigError, Error, TransportError};
+use crate::error::{ConfigError, Error, Op, TransportError};
 use crate::transport::{Delivery, Incoming, Transport, mem};
 
 /// How long an idle engine thread sleeps between checks when nothing has a deadline.
@@ -91,6 +91,11 @@ impl Port for ThreadedPort {
         self.start.elapsed()
     }
 
+    fn virtual_clock(&self) -> bool {
+        // Each process starts its own clock (a rank that rejoins, hours later).
+        false
+    }
+
     fn sleep(&self, d: Duration) -> Pending {
         std::thread::sleep(d);
         Pending::new(self.rank, Slot::ready(Ok(Response::Done)))
@@ -130,6 +135,36 @@ pub fn spawn(
     Ok((Comm::new(rank, ranks, cfg, Arc::new(port)), handle))
 }
 
+/// The requests an engine thread holds. However the thread ends, dropping this answers every
+/// request it has not answered and every one still queued for it (after a panic in the engine
+/// or the transport, with that cause), so that no compute thread waits forever.
+struct Outstanding {
+    rank: Rank,
+    slots: HashMap<ReqId, Arc<Slot>>,
+    queued: Receiver<Cmd>,
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        let rank = self.rank;
+        let panicked = std::thread::panicking();
+        let queued = self.queued.try_iter().filter_map(|c| match c {
+            Cmd::Request(_, slot) => Some(slot),
+            Cmd::Leave { .. } => None,
+        });
+        for slot in self.slots.drain().map(|(_, s)| s).chain(queued) {
+            let cause = panicked.then(|| {
+                Box::new(Error::Protocol {
+                    rank,
+                    op: Op::Other("engine"),
+                    detail: "the engine thread panicked".into(),
+                })
+            });
+            slot.complete(Err(Error::Stopped { rank, cause }));
+        }
+    }
+}
+
 fn engine_loop(
     mut engine: Engine,
     mut transport: Box<dyn Transport>,
@@ -137,7 +172,12 @@ fn engine_loop(
     inbox: Receiver<Incoming>,
     start: Instant,
 ) {
-    let mut slots: HashMap<ReqId, Arc<Slot>> = HashMap::new();
+    let mut outstanding = Outstanding {
+        rank: engine.rank(),
+        slots: HashMap::new(),
+        queued: cmds.clone(),
+    };
+    let slots = &mut outstanding.slots;
     let mut next_id: ReqId = 0;
     let mut out = Vec::new();
     let never = crossbeam_channel::never();
@@ -164,11 +204,11 @@ fn engine_loop(
                     engine.on_request(start.elapsed(), id, req, &mut out);
                 }
                 Ok(Cmd::Leave { abort }) => {
-                    leave(&mut engine, transport.as_mut(), abort, &mut slots);
+                    leave(&mut engine, transport.as_mut(), abort, slots);
                     return;
                 }
                 Err(_) => {
-                    leave(&mut engine, transport.as_mut(), true, &mut slots);
+                    leave(&mut engine, transport.as_mut(), true, slots);
                     return;
                 }
             },
@@ -211,13 +251,7 @@ fn engine_loop(
                 FoldRequest::Withdraw { from, tag } => transport.unfold(from, tag),
             }
         }
-        perform(
-            transport.as_mut(),
-            &mut slots,
-            &mut out,
-            &mut unreachable,
-            start,
-        );
+        perform(transport.as_mut(), slots, &mut out, &mut unreachable, start);
     }
 }
 
@@ -441,7 +475,6 @@ pub fn connect_mpi(cfg: EngineConfig, max_frame: u64) -> Result<(Comm, JoinHandl
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Op;
     use crate::payload::Payload;
     use crate::transport::Envelope;
 
@@ -498,6 +531,96 @@ mod tests {
         assert!(err.to_string().contains("after losing rank 1"), "{err}");
         comm.abort();
         engine.join().expect("engine thread ends");
+    }
+
+    /// A transport with a defect: its first send panics.
+    struct Panicking;
+
+    impl Transport for Panicking {
+        fn send(&mut self, _to: Rank, _env: Envelope) -> Result<(), TransportError> {
+            panic!("a defect in the transport");
+        }
+    }
+
+    #[test]
+    fn a_panic_on_the_engine_thread_fails_the_waiting_request_instead_of_hanging_it() {
+        let (_tx, rx) = unbounded();
+        let (mut comm, engine) = spawn(
+            0,
+            2,
+            EngineConfig::default(),
+            Box::new(Panicking),
+            rx,
+            Instant::now(),
+        )
+        .expect("engine starts");
+        let err = block_on(comm.allreduce(Payload::from(vec![1.0; 8])))
+            .expect_err("the engine thread is gone");
+        assert!(
+            matches!(
+                err,
+                Error::Stopped {
+                    rank: 0,
+                    cause: Some(_)
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("the engine thread panicked"),
+            "{err}"
+        );
+        // Requests after it are refused at once.
+        let again = block_on(comm.barrier()).expect_err("the engine thread is gone");
+        assert!(matches!(again, Error::Stopped { rank: 0, .. }), "{again}");
+        assert!(engine.join().is_err(), "the engine thread panicked");
+        comm.abort();
+    }
+
+    #[test]
+    fn ranks_whose_clocks_started_apart_align_without_waiting_out_the_difference() {
+        // Rank 0's clock started long before rank 1's, as a job's first process does against
+        // a rank that rejoins later: the clocks do not compare, and aligning must not make
+        // rank 1 wait for rank 0's.
+        let (early, skew) = [3600, 300, 60]
+            .into_iter()
+            .map(Duration::from_secs)
+            .find_map(|d| Instant::now().checked_sub(d).map(|t| (t, d)))
+            .expect("the machine has been up for a minute");
+        let starts = [early, Instant::now()];
+        let cfg = EngineConfig {
+            timeout: Duration::from_secs(30),
+            ..EngineConfig::default()
+        };
+        let took: Vec<Duration> = std::thread::scope(|s| {
+            let ranks: Vec<_> = crate::transport::mem::network(2)
+                .into_iter()
+                .zip(starts)
+                .enumerate()
+                .map(|(rank, ((transport, inbox), start))| {
+                    s.spawn(move || {
+                        let (mut comm, engine) =
+                            spawn(rank, 2, cfg, Box::new(transport), inbox, start)
+                                .expect("engine starts");
+                        let t = Instant::now();
+                        block_on(comm.align()).expect("the ranks align");
+                        let took = t.elapsed();
+                        block_on(comm.finish()).expect("the rank finishes");
+                        engine.join().expect("engine thread ends");
+                        took
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|r| r.join().expect("rank thread"))
+                .collect()
+        });
+        for (rank, took) in took.iter().enumerate() {
+            // A barrier between two threads: far below half the clocks' difference even on a
+            // loaded machine.
+            assert!(took < &(skew / 2), "rank {rank} waited {took:?}");
+        }
     }
 
     #[test]

@@ -524,6 +524,10 @@ impl Port for VirtualPort {
         read_clock(&self.clock)
     }
 
+    fn virtual_clock(&self) -> bool {
+        true
+    }
+
     fn sleep(&self, d: Duration) -> Pending {
         let mut core = lock(&self.core);
         let slot = Slot::new();
