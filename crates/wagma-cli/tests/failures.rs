@@ -305,6 +305,14 @@ fn elastic_wagma_survives_losing_one_of_eight_ranks_half_way() {
     }
     let (acc, alive) = outcome(&out);
     assert_eq!(alive, 7);
+    // The lost rank reports no snapshots: the evaluated points are those of the run, none
+    // before its first.
+    let points: Vec<u64> = alive_at_evaluations(&out).iter().map(|&(i, _)| i).collect();
+    assert_eq!(
+        points,
+        [100, 200, 300, 400, 500, 600],
+        "evaluated iterations"
+    );
     // The two checkpoints after the loss hold the 7 living ranks, and say so.
     let ckpt = out.join("checkpoints");
     let held = |name: &str| -> (u64, Vec<u64>) {

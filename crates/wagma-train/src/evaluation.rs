@@ -191,14 +191,20 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
     snaps: Vec<Snapshot>,
 ) -> Result<Vec<Evaluation>, TrainError> {
     let rank = worker.comm().rank();
-    // The points: every evaluation iteration some rank has.
+    // The points: every evaluation iteration some rank has. Each end travels as iteration +
+    // 1, so that a rank without snapshots and a lost rank (whose slots read as zeros) both
+    // say nothing.
     let ends = [
-        snaps.first().map_or(u64::MAX, |x| x.iteration),
-        snaps.last().map_or(0, |x| x.iteration),
+        snaps.first().map_or(0, |x| x.iteration.saturating_add(1)),
+        snaps.last().map_or(0, |x| x.iteration.saturating_add(1)),
     ];
     let ends = worker.comm().gather_u64(&ends).await?;
-    let first = ends.iter().filter_map(|e| e.first()).min().copied();
-    let last = ends.iter().filter_map(|e| e.get(1)).max().copied();
+    let said = |i: usize| {
+        ends.iter()
+            .filter_map(move |e| e.get(i).copied().filter(|&x| x > 0))
+    };
+    let first = said(0).min().map(|x| x - 1);
+    let last = said(1).max().map(|x| x - 1);
     let points: Vec<u64> = match (first, last) {
         (Some(a), Some(b)) if a <= b => {
             let mine: Vec<u64> = snaps.iter().map(|x| x.iteration).collect();
