@@ -156,7 +156,7 @@ pub struct Args {
     /// Injected imbalance: none, paper-resnet, lengths, heavy-tail.
     #[arg(long)]
     pub imbalance: Option<String>,
-    /// Scale of the injected times (1 = the paper's).
+    /// Scale of the injected times (1 = the paper's; at most 10000).
     #[arg(long)]
     pub time_scale: Option<f64>,
     /// mem (threads of this process), tcp (this process is one rank; see `wagma launch`) or

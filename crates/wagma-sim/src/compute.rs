@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use wagma::imbalance::Imbalance;
+use wagma::imbalance::{Imbalance, MAX_STEP_S};
 
 use crate::SimError;
 
@@ -50,9 +50,9 @@ impl Trace {
         let mut times: Vec<Vec<f64>> = Vec::new();
         let mut last: Option<(usize, u64)> = None;
         for l in lines {
-            if !(l.seconds.is_finite() && l.seconds >= 0.0) {
+            if !(l.seconds.is_finite() && (0.0..=MAX_STEP_S).contains(&l.seconds)) {
                 return Err(err(format!(
-                    "rank {} step {}: bad time {}",
+                    "rank {} step {}: bad time {} (must be finite, >= 0 and <= {MAX_STEP_S} s)",
                     l.rank, l.step, l.seconds
                 )));
             }
@@ -142,7 +142,7 @@ mod tests {
     }
 
     #[test]
-    fn a_trace_with_a_missing_rank_a_huge_rank_or_a_repeated_step_is_refused() {
+    fn a_trace_with_a_missing_rank_a_huge_rank_an_endless_step_or_a_repeated_step_is_refused() {
         let gap = line(0, 0, 0.1) + &line(2, 0, 0.1);
         assert!(
             matches!(load(&gap), Err(SimError::File { message, .. }) if message.contains("rank 1 has no steps"))
@@ -150,6 +150,10 @@ mod tests {
         let huge = line(0, 0, 0.1) + &line(u64::MAX, 0, 0.1);
         assert!(
             matches!(load(&huge), Err(SimError::File { message, .. }) if message.contains("rank 1 has no steps"))
+        );
+        let eternal = line(0, 0, 0.1) + &line(0, 1, 1e20);
+        assert!(
+            matches!(load(&eternal), Err(SimError::File { message, .. }) if message.contains("rank 0 step 1: bad time"))
         );
         let twice = line(0, 0, 0.1) + &line(0, 1, 0.2) + &line(0, 0, 0.1);
         assert!(

@@ -36,7 +36,7 @@ impl LogGp {
         }
     }
 
-    /// Checks that every parameter is finite and non-negative.
+    /// Checks that every parameter is finite, non-negative and at most [`LogGp::MAX_S`].
     pub fn validate(&self) -> Result<(), String> {
         for (n, v) in [
             ("latency", self.latency_s),
@@ -44,12 +44,19 @@ impl LogGp {
             ("gap", self.gap_s),
             ("per-byte time", self.per_byte_s),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("LogGP {n} must be finite and >= 0, got {v}"));
+            if !(v.is_finite() && (0.0..=Self::MAX_S).contains(&v)) {
+                return Err(format!(
+                    "LogGP {n} must be finite, >= 0 and <= {} s, got {v}",
+                    Self::MAX_S
+                ));
             }
         }
         Ok(())
     }
+
+    /// The largest value of each parameter, in seconds: one second of latency, or a byte
+    /// per second, is beyond any real network, and keeps simulated clocks from overflowing.
+    pub const MAX_S: f64 = 1.0;
 
     /// One-way time of a `bytes` message on an idle network.
     pub fn message_time(&self, bytes: usize) -> f64 {
@@ -106,6 +113,21 @@ impl NetworkModel for LogGpNetwork {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn parameters_beyond_any_network_are_refused() {
+        assert!(LogGp::aries().validate().is_ok());
+        let slow = LogGp {
+            per_byte_s: 1e20,
+            ..LogGp::aries()
+        };
+        assert!(slow.validate().is_err_and(|m| m.contains("per-byte time")));
+        let late = LogGp {
+            latency_s: 1e20,
+            ..LogGp::aries()
+        };
+        assert!(late.validate().is_err_and(|m| m.contains("latency")));
+    }
 
     #[test]
     fn serializes_an_interface() {

@@ -76,13 +76,24 @@ pub struct Imbalance {
     pub seed: u64,
 }
 
+/// The longest compute time of one step, in seconds, that a profile (scaled) or a recorded
+/// trace may give: about 11.6 days, far beyond any real step, and small enough that the
+/// clocks summing steps never overflow.
+pub const MAX_STEP_S: f64 = 1e6;
+
+/// The largest time scale: it keeps the longest step of every profile within [`MAX_STEP_S`].
+pub const MAX_TIME_SCALE: f64 = 1e4;
+
 impl Imbalance {
     /// Checks the time scale.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !(self.time_scale.is_finite() && self.time_scale >= 0.0) {
+        if !(self.time_scale.is_finite() && (0.0..=MAX_TIME_SCALE).contains(&self.time_scale)) {
             return Err(ConfigError::Invalid {
                 what: "time scale",
-                detail: format!("{} (must be finite and >= 0)", self.time_scale),
+                detail: format!(
+                    "{} (must be finite, >= 0 and <= {MAX_TIME_SCALE})",
+                    self.time_scale
+                ),
             });
         }
         Ok(())
@@ -186,6 +197,31 @@ mod tests {
         }
         assert_eq!(im.step_times(3, 16), im.step_times(3, 16));
         assert_ne!(im.step_times(3, 16), im.step_times(4, 16));
+    }
+
+    #[test]
+    fn a_time_scale_beyond_the_longest_step_is_refused() {
+        let scaled = |time_scale| Imbalance {
+            profile: Profile::HeavyTail,
+            time_scale,
+            seed: 1,
+        };
+        assert!(scaled(MAX_TIME_SCALE).validate().is_ok());
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 1e20] {
+            assert!(scaled(bad).validate().is_err(), "{bad}");
+        }
+        // The longest draw of every profile, scaled by the largest scale, is a step that may be.
+        for profile in [Profile::Lengths, Profile::HeavyTail, Profile::PaperResnet] {
+            let im = Imbalance {
+                time_scale: MAX_TIME_SCALE,
+                profile,
+                seed: 3,
+            };
+            let longest = (0..2000)
+                .flat_map(|t| im.step_times(t, 8))
+                .fold(0.0, f64::max);
+            assert!(longest <= MAX_STEP_S, "{profile:?}: {longest}");
+        }
     }
 
     #[test]
