@@ -439,6 +439,39 @@ fn rendezvous_in_thread(
 }
 
 #[test]
+fn a_rank_that_never_starts_is_named_by_rank_0_and_awaited_by_the_others() {
+    let cred = job_credentials("absent");
+    // Rank 1 gives up long before rank 0 does: it is still waiting for the address table.
+    let config = |rank: usize, rdv: &str| {
+        let mut c = TcpConfig::new(rank, 3, rdv, cred.clone());
+        c.connect_timeout = Duration::from_secs(if rank == 0 { 8 } else { 2 });
+        c
+    };
+    let dir = TempDir::new("tcp-absent");
+    let (rank0, _rx0, rdv) = rendezvous_in_thread(config(0, ""), &dir);
+    let (tx, _rx1) = crossbeam_channel::unbounded();
+    // Rank 1 registers; rank 2 never starts.
+    let one = wagma::transport::tcp::connect(&config(1, &rdv), tx)
+        .err()
+        .expect("rank 1 cannot start without rank 2")
+        .to_string();
+    let zero = rank0
+        .join()
+        .unwrap()
+        .err()
+        .expect("rank 0 cannot start without rank 2")
+        .to_string();
+    assert!(
+        one.contains("rank 1, waiting for rank 0's address table"),
+        "{one}"
+    );
+    assert!(
+        zero.contains("only 1 of 2 ranks registered") && zero.contains("rank 2 did not"),
+        "{zero}"
+    );
+}
+
+#[test]
 fn silent_and_trickling_callers_do_not_hold_up_the_start() {
     let cred = job_credentials("patient");
     let config = |rank: usize, rdv: &str| {

@@ -191,7 +191,10 @@ impl MpiTransport {
             Some((&peer, a)) => Err(TransportError::Peer {
                 peer,
                 message: format!(
-                    "sent a header but not its {} values within {} s",
+                    "sent the header of {} #{} (step {}) but not its {} values within {} s",
+                    a.env.tag.kind.name(),
+                    a.env.tag.seq,
+                    a.env.tag.step,
                     a.env.data.len(),
                     PAYLOAD_WAIT.as_secs()
                 ),

@@ -420,6 +420,29 @@ impl TcpTransport {
     }
 }
 
+/// `ranks` for an error message: "rank 3", "ranks 1, 4 and 7", or the first few of many
+/// and how many there are.
+fn ranks_text(ranks: impl Iterator<Item = Rank>) -> String {
+    const SHOWN: usize = 8;
+    let all: Vec<Rank> = ranks.collect();
+    let listed = |xs: &[Rank]| {
+        xs.iter()
+            .map(Rank::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match all.as_slice() {
+        [] => "no rank".into(),
+        [one] => format!("rank {one}"),
+        [first @ .., last] if all.len() <= SHOWN => format!("ranks {} and {last}", listed(first)),
+        _ => format!(
+            "ranks {}, ... ({} in all)",
+            listed(&all[..SHOWN]),
+            all.len()
+        ),
+    }
+}
+
 fn resolve(addr: &str) -> Result<SocketAddr, TransportError> {
     addr.to_socket_addrs()
         .map_err(|e| TransportError::Rendezvous(format!("cannot resolve {addr:?}: {e}")))?
@@ -661,8 +684,11 @@ fn connect_pairs(
     let mut accepted = 0;
     while accepted < higher {
         let (peer, st) = rx.recv_deadline(deadline).map_err(|_| {
+            let missing = (me + 1..p).filter(|&r| streams[r].is_none());
             TransportError::Rendezvous(format!(
-                "rank {me}: only {accepted} of {higher} higher ranks connected in time"
+                "rank {me}: only {accepted} of {higher} higher ranks connected in time; {} did \
+                 not",
+                ranks_text(missing)
             ))
         })??;
         if peer <= me || peer >= p {
@@ -877,6 +903,17 @@ impl Link {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_in_an_error_are_listed_and_many_are_cut_short() {
+        assert_eq!(ranks_text([].into_iter()), "no rank");
+        assert_eq!(ranks_text([3].into_iter()), "rank 3");
+        assert_eq!(ranks_text([1, 4, 7].into_iter()), "ranks 1, 4 and 7");
+        assert_eq!(
+            ranks_text(1..100),
+            "ranks 1, 2, 3, 4, 5, 6, 7, 8, ... (99 in all)"
+        );
+    }
 
     #[test]
     fn a_rank_slot_is_claimed_by_one_connection_at_a_time() {

@@ -195,10 +195,12 @@ fn collect(
     let p = table.len();
     while conns.len() < p - 1 {
         let (mut c, reg): (Caller, Registration) = rx.recv_deadline(deadline).map_err(|_| {
+            let missing = (1..p).filter(|&r| table[r].is_none());
             TransportError::Rendezvous(format!(
-                "rank 0: only {} of {} ranks registered in time",
+                "rank 0: only {} of {} ranks registered in time; {} did not",
                 conns.len(),
-                p - 1
+                p - 1,
+                super::ranks_text(missing)
             ))
         })??;
         let peer = c.session.peer;
@@ -264,5 +266,14 @@ pub(super) fn register(
         addr: mine,
     };
     send_registration(&mut session, &mut d, &reg)?;
-    read_table(&mut session, &mut d, cfg.world)
+    // Rank 0 answers once every rank has registered: a deadline passing here is a rank
+    // that did not, or rank 0 that stopped.
+    read_table(&mut session, &mut d, cfg.world).map_err(|e| match e {
+        TransportError::Io { .. } => TransportError::Rendezvous(format!(
+            "rank {}, waiting for rank 0's address table at {rdv} (sent once every rank \
+             registered): {e}",
+            cfg.rank
+        )),
+        e => e,
+    })
 }
