@@ -334,11 +334,11 @@ fn loopback_gb_per_s(bytes: usize, streams: usize, reps: usize) -> anyhow::Resul
         writers.push(std::thread::spawn(
             move || -> std::io::Result<(Instant, f64)> {
                 let src = vec![1u8; bytes];
-                let mut s = std::net::TcpStream::connect_timeout(&addr, PATIENCE);
-                if let Ok(s) = &s {
+                let mut s = std::net::TcpStream::connect_timeout(&addr, PATIENCE).and_then(|s| {
                     s.set_nodelay(true)?;
                     s.set_write_timeout(Some(PATIENCE))?;
-                }
+                    Ok(s)
+                });
                 // Every writer meets the others before every copy, even after a failure of its
                 // own, so that none waits for a writer that gave up.
                 round.wait();
@@ -511,8 +511,11 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<Measured>, w
                     (Finished::Buffer(d), t0.elapsed())
                 }
             };
-            let cpu = super::cpu_seconds(false) - cpu0;
             let slowest = super::slowest(c, dt.as_secs_f64()).await?;
+            // Read once every rank has finished: a rank's threads may still be sending to a
+            // slower one after its own collective returned, and that work is the
+            // collective's too.
+            let cpu = super::cpu_seconds(false) - cpu0;
             if rep >= args.warmup {
                 times.push(slowest);
                 cpu_s += cpu;
