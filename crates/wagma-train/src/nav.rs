@@ -104,6 +104,18 @@ impl Episode {
         }
     }
 
+    /// Whether this episode, read back from a checkpoint, fits the environment `cfg`: its map
+    /// has `cfg`'s size, and the agent and the goal are on it.
+    pub fn fits(&self, cfg: NavConfig) -> bool {
+        let n = cfg.size;
+        let on_map = |(x, y): (usize, usize)| x < n && y < n;
+        self.cfg == cfg
+            && self.blocked.len() == n * n
+            && self.to_goal.len() == n * n
+            && on_map(self.pos)
+            && on_map(self.goal)
+    }
+
     fn cell(&self, x: i32, y: i32) -> bool {
         let n = self.cfg.size as i32;
         x < 0 || y < 0 || x >= n || y >= n || self.blocked[(y * n + x) as usize]

@@ -152,6 +152,41 @@ impl NavigateWorkload {
         )
     }
 
+    /// Whether a rank's state read back from a checkpoint fits this workload: as many
+    /// environments as configured, each on a map of the configured size, and a rollout whose
+    /// parts agree in length (a checksum guards against accidents, not against edits).
+    fn check(&self, l: &NavLocal) -> Result<(), String> {
+        if l.envs.len() != self.ppo.envs {
+            return Err(format!(
+                "{} environments saved, {} configured",
+                l.envs.len(),
+                self.ppo.envs
+            ));
+        }
+        if !l.envs.iter().all(|e| e.fits(self.env)) {
+            return Err("an environment does not fit the configured maps".into());
+        }
+        if l.updates_left > self.ppo.updates {
+            return Err(format!(
+                "{} updates left of a rollout that allows {}",
+                l.updates_left, self.ppo.updates
+            ));
+        }
+        let r = &l.rollout;
+        let n = r.len();
+        let agree = r.obs.len() == n * self.env.obs_len()
+            && [r.logp.len(), r.advantages.len(), r.returns.len()]
+                .iter()
+                .all(|&m| m == n)
+            && r.actions
+                .iter()
+                .all(|&a| usize::try_from(a).is_ok_and(|a| a < ACTIONS));
+        if !agree {
+            return Err("the saved rollout's parts do not agree".into());
+        }
+        Ok(())
+    }
+
     /// Collects whole episodes with the current policy and computes advantages (GAE).
     fn collect(&self, model: &ActorCritic, local: &mut NavLocal) -> Rollout {
         let device = crate::flat::eval_device();
@@ -388,9 +423,39 @@ impl Workload for NavigateWorkload {
             .and_then(|s| s.parse().ok())
             .ok_or("no random state")?;
         let mut l: NavLocal = serde_json::from_value(saved.clone()).map_err(|e| e.to_string())?;
+        self.check(&l)?;
         l.rng = ChaCha8Rng::seed_from_u64(l.rng_seed);
         l.rng.set_word_pos(pos);
         *local = l;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_state_that_does_not_fit_the_workload_is_refused() {
+        let w = NavigateWorkload::new(NavConfig::default(), PpoConfig::default(), 8);
+        let saved = w.save_local(&w.local(0, 2, 7));
+        let mut local = w.local(0, 2, 7);
+        assert!(w.load_local(&mut local, &saved).is_ok());
+        let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut s = saved.clone();
+            edit(&mut s);
+            w.load_local(&mut w.local(0, 2, 7), &s)
+        };
+        let no_envs = edited(&|s| s["envs"] = serde_json::json!([]));
+        assert!(no_envs.is_err_and(|e| e.contains("environments saved")));
+        let off_map = edited(&|s| s["envs"][0]["pos"] = serde_json::json!([99, 0]));
+        assert!(off_map.is_err_and(|e| e.contains("does not fit")));
+        let too_many = edited(&|s| s["updates_left"] = serde_json::json!(1_000_000));
+        assert!(too_many.is_err_and(|e| e.contains("updates left")));
+        let torn = edited(&|s| {
+            s["updates_left"] = serde_json::json!(1);
+            s["rollout"]["actions"] = serde_json::json!([0, 0]);
+        });
+        assert!(torn.is_err_and(|e| e.contains("do not agree")));
     }
 }

@@ -132,6 +132,27 @@ pub fn first_host(list: &str) -> Option<String> {
     (!out.is_empty()).then_some(out)
 }
 
+/// The most ranks a job of processes may have: every process keeps per-rank state (rank 0
+/// an address for each), and the wire carries ranks in 32 bits.
+pub const MAX_PROCESS_RANKS: usize = 1 << 20;
+
+/// Checks that `rank` is one of `world` ranks of a job of processes.
+pub fn check_rank(rank: Rank, world: usize) -> Result<(), ConfigError> {
+    if world == 0 {
+        return Err(ConfigError::ZeroRanks);
+    }
+    if world > MAX_PROCESS_RANKS {
+        return Err(ConfigError::Invalid {
+            what: "world size",
+            detail: format!("{world} ranks (a job of processes has at most {MAX_PROCESS_RANKS})"),
+        });
+    }
+    if rank >= world {
+        return Err(ConfigError::RankOutOfRange { rank, ranks: world });
+    }
+    Ok(())
+}
+
 /// [`discover`] on this process's environment.
 pub fn discover_env() -> Result<Option<Discovered>, ConfigError> {
     discover(&|k: &str| std::env::var(k).ok())
@@ -144,12 +165,7 @@ pub fn discover(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Discovere
         let (Some(rank), Some(world)) = (number(get, s.rank)?, number(get, s.world)?) else {
             continue;
         };
-        if world == 0 {
-            return Err(ConfigError::ZeroRanks);
-        }
-        if rank >= world {
-            return Err(ConfigError::RankOutOfRange { rank, ranks: world });
-        }
+        check_rank(rank, world)?;
         match &found {
             None => {
                 found = Some(Discovered {
@@ -273,6 +289,20 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(d.source, "wagma");
+    }
+
+    #[test]
+    fn a_world_beyond_what_a_job_of_processes_holds_is_refused() {
+        let too_many = (MAX_PROCESS_RANKS + 1).to_string();
+        let e = discover(&env(&[
+            ("WAGMA_RANK", "1"),
+            ("WAGMA_WORLD_SIZE", &too_many),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("world size"), "{e}");
+        let most = MAX_PROCESS_RANKS.to_string();
+        let d = discover(&env(&[("WAGMA_RANK", "1"), ("WAGMA_WORLD_SIZE", &most)]));
+        assert!(d.is_ok_and(|d| d.is_some_and(|d| d.world == MAX_PROCESS_RANKS)));
     }
 
     #[test]

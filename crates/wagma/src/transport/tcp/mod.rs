@@ -216,16 +216,7 @@ impl TcpConfig {
 
     /// Checks rank and world size.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.world == 0 {
-            return Err(ConfigError::ZeroRanks);
-        }
-        if self.rank >= self.world {
-            return Err(ConfigError::RankOutOfRange {
-                rank: self.rank,
-                ranks: self.world,
-            });
-        }
-        Ok(())
+        super::discover::check_rank(self.rank, self.world)
     }
 }
 
