@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
@@ -47,7 +46,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let job = LocalJob::spawn(a.ranks, &program, rest, &[], false)?;
     let limit = match a.timeout {
-        Some(t) => Some(Duration::try_from_secs_f64(t).context("invalid --timeout")?),
+        Some(t) => Some(wagma::util::timeout_from_secs(t).with_context(|| {
+            format!(
+                "invalid --timeout {t} (a positive number of seconds up to {})",
+                wagma::util::MAX_TIMEOUT.as_secs()
+            )
+        })?),
         None => None,
     };
     let exits = job.wait_or_stop(limit, &stop)?;

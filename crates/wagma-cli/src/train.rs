@@ -2,7 +2,6 @@
 //! the final table.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
@@ -689,8 +688,12 @@ fn config(a: &Args) -> anyhow::Result<TrainConfig> {
         c.rejoin = r;
     }
     if let Some(t) = a.timeout {
-        c.timeout =
-            Duration::try_from_secs_f64(t).map_err(|_| anyhow::anyhow!("invalid timeout {t}"))?;
+        c.timeout = wagma::util::timeout_from_secs(t).ok_or_else(|| {
+            anyhow::anyhow!(
+                "invalid timeout {t} (a positive number of seconds up to {})",
+                wagma::util::MAX_TIMEOUT.as_secs()
+            )
+        })?;
     }
     c.progress = !a.quiet.unwrap_or(false);
     // The data is not loaded yet: with --epochs this checks the options on a stand-in number

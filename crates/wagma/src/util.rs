@@ -1,6 +1,18 @@
-//! Small shared helpers: serde of durations, histograms.
+//! Small shared helpers: serde of durations, timeouts, histograms.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The longest timeout accepted, about 31.7 years ("never" for any job): deadlines are clocks
+/// plus timeouts (and some multiples of them), which must not overflow.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
+/// `secs` seconds as a timeout, if positive, finite and at most [`MAX_TIMEOUT`].
+pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+}
 
 use serde::{Deserialize, Serialize};
 
@@ -133,7 +145,16 @@ impl std::fmt::Display for Histogram {
 
 #[cfg(test)]
 mod tests {
-    use super::Histogram;
+    use super::{Duration, Histogram, MAX_TIMEOUT, timeout_from_secs};
+
+    #[test]
+    fn a_timeout_is_positive_finite_and_bounded() {
+        assert_eq!(timeout_from_secs(1.5), Some(Duration::from_millis(1500)));
+        assert_eq!(timeout_from_secs(1e9), Some(MAX_TIMEOUT));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 2e18] {
+            assert_eq!(timeout_from_secs(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn record_all_counts_like_record() {

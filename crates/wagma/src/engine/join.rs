@@ -196,7 +196,7 @@ impl Engine {
         self.welcome_waiter = Some(Box::new(WelcomeWaiter {
             id,
             since: now,
-            deadline: now + timeout,
+            deadline: now.saturating_add(timeout),
         }));
         self.deliver_welcome(out);
     }

@@ -819,7 +819,8 @@ impl Engine {
                 // timeout for it, up to `LATE_PEER_TIMEOUTS` in all. (The elastic rounds and
                 // collectives are single full exchanges; in a staged schedule the peer a later
                 // phase waits for may itself be waiting.)
-                let patient = now.saturating_sub(r.started) < LATE_PEER_TIMEOUTS * timeout;
+                let patient =
+                    now.saturating_sub(r.started) < timeout.saturating_mul(LATE_PEER_TIMEOUTS);
                 let (late, silent): (Vec<Rank>, Vec<Rank>) = missing.into_iter().partition(|&p| {
                     patient
                         && self
@@ -875,7 +876,9 @@ impl Engine {
         let operations = if timeout <= horizon {
             let runs = self.running.iter().map(|r| r.timer_from);
             let wait = self.stream.as_ref().and_then(|s| s.waiting_since());
-            runs.chain(wait).min().map(|started| started + timeout)
+            runs.chain(wait)
+                .min()
+                .map(|started| started.saturating_add(timeout))
         } else {
             None
         };

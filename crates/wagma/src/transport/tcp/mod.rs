@@ -188,11 +188,13 @@ impl TcpConfig {
                 .trim()
                 .parse::<f64>()
                 .ok()
-                .and_then(|s| Duration::try_from_secs_f64(s).ok())
-                .filter(|d| !d.is_zero())
+                .and_then(crate::util::timeout_from_secs)
                 .ok_or_else(|| ConfigError::Invalid {
                     what: env::IO_TIMEOUT,
-                    detail: format!("{t:?} is not a positive number of seconds"),
+                    detail: format!(
+                        "{t:?} is not a positive number of seconds up to {}",
+                        crate::util::MAX_TIMEOUT.as_secs()
+                    ),
                 })?;
         }
         cfg.rendezvous_file = get(env::RENDEZVOUS_FILE).map(Into::into);
@@ -214,9 +216,24 @@ impl TcpConfig {
         }
     }
 
-    /// Checks rank and world size.
+    /// Checks rank, world size and timeouts.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        super::discover::check_rank(self.rank, self.world)
+        super::discover::check_rank(self.rank, self.world)?;
+        for (what, t) in [
+            ("connect timeout", self.connect_timeout),
+            ("I/O timeout", self.io_timeout),
+        ] {
+            if t.is_zero() || t > crate::util::MAX_TIMEOUT {
+                return Err(ConfigError::Invalid {
+                    what,
+                    detail: format!(
+                        "{t:?} (must be positive and at most {} s)",
+                        crate::util::MAX_TIMEOUT.as_secs()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -928,6 +945,27 @@ mod tests {
         assert!(!link.is_connected(1));
         assert!(link.claim(1));
         assert!(!link.claim(3), "no such rank");
+    }
+
+    #[test]
+    fn timeouts_no_clock_can_add_are_refused() {
+        let cred = Credentials {
+            job_id: "job".into(),
+            secret: b"s3cret".to_vec(),
+        };
+        let mut cfg = TcpConfig::new(1, 2, "127.0.0.1:1", cred);
+        assert!(cfg.validate().is_ok());
+        cfg.io_timeout = Duration::MAX;
+        assert!(
+            cfg.validate()
+                .is_err_and(|e| e.to_string().contains("I/O timeout"))
+        );
+        cfg.io_timeout = Duration::from_secs(5);
+        cfg.connect_timeout = Duration::ZERO;
+        assert!(
+            cfg.validate()
+                .is_err_and(|e| e.to_string().contains("connect timeout"))
+        );
     }
 
     #[test]

@@ -181,9 +181,11 @@ pub(in crate::transport::tcp) fn close_all<'a>(writers: impl IntoIterator<Item =
         drop(w.jobs.take());
     }
     let longest = writers.iter().map(|w| w.linger).max().unwrap_or_default();
-    let deadline = Instant::now() + longest;
+    let started = Instant::now();
     for w in writers {
-        let _ = w.ended.recv_deadline(deadline);
+        let _ = w
+            .ended
+            .recv_timeout(longest.saturating_sub(started.elapsed()));
         w.linger = Duration::ZERO;
     }
 }
