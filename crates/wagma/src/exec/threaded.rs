@@ -434,6 +434,11 @@ pub fn connect_tcp(
 #[cfg(feature = "mpi")]
 pub fn connect_mpi(cfg: EngineConfig, max_frame: u64) -> Result<(Comm, JoinHandle<()>), Error> {
     let start = Instant::now();
+    // Until MPI is initialized, this process's rank is what the launcher says it is.
+    let launched_as = crate::transport::discover::discover_env()
+        .ok()
+        .flatten()
+        .map_or(0, |d| d.rank);
     let (tx, rx) = unbounded();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let handle = std::thread::Builder::new()
@@ -458,16 +463,19 @@ pub fn connect_mpi(cfg: EngineConfig, max_frame: u64) -> Result<(Comm, JoinHandl
             }
         })
         .map_err(|e| Error::Transport {
-            rank: 0,
+            rank: launched_as,
             source: TransportError::io("starting the engine thread", &e),
         })?;
     let (rank, size) = ready_rx
         .recv()
         .map_err(|_| Error::Transport {
-            rank: 0,
+            rank: launched_as,
             source: TransportError::Rendezvous("the MPI engine thread died during start-up".into()),
         })?
-        .map_err(|source| Error::Transport { rank: 0, source })?;
+        .map_err(|source| Error::Transport {
+            rank: launched_as,
+            source,
+        })?;
     let port = ThreadedPort { tx, start, rank };
     Ok((Comm::new(rank, size, cfg, Arc::new(port)), handle))
 }
