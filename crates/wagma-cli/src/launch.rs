@@ -16,7 +16,7 @@ pub struct Args {
     /// Number of processes (ranks).
     #[arg(short = 'n', long)]
     pub ranks: usize,
-    /// Kill the job after this many seconds.
+    /// Kill the job after this many seconds (at most 1e9).
     #[arg(long)]
     pub timeout: Option<f64>,
     /// Elastic job: the failure of a rank other than 0 is reported but does not fail the job

@@ -37,7 +37,7 @@ pub struct Common {
     /// Compute profile: none, paper-resnet, lengths, heavy-tail.
     #[arg(long, default_value = "paper-resnet")]
     pub profile: Profile,
-    /// Multiplies the profile's times (1 = the paper's).
+    /// Multiplies the profile's times (1 = the paper's; at most 10000).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// Replay compute times recorded by `wagma train --trace-compute FILE` instead.

@@ -226,7 +226,7 @@ pub struct Args {
     /// Resume from a checkpoint (directory, or output directory of an earlier run).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// End-to-end timeout of any collective, seconds.
+    /// End-to-end timeout of any collective, seconds (at most 1e9).
     #[arg(long)]
     pub timeout: Option<f64>,
     /// No progress bar.

@@ -91,6 +91,27 @@ pub enum Compute {
 }
 
 impl Compute {
+    /// Checks the profile's time scale, or that every recorded time is one a step may take.
+    pub fn validate(&self) -> Result<(), SimError> {
+        match self {
+            Compute::Profile(im) => Ok(im.validate()?),
+            Compute::Trace(t) => match t
+                .times
+                .iter()
+                .flatten()
+                .find(|s| !(s.is_finite() && (0.0..=MAX_STEP_S).contains(*s)))
+            {
+                Some(s) => Err(SimError::Config(format!(
+                    "a recorded step time of {s} s (must be finite, >= 0 and <= {MAX_STEP_S} s)"
+                ))),
+                None if t.times.is_empty() || t.times.iter().any(Vec::is_empty) => Err(
+                    SimError::Config("a trace needs at least one step of every rank".into()),
+                ),
+                None => Ok(()),
+            },
+        }
+    }
+
     /// Compute seconds of every rank at `step`.
     pub fn step_times(&self, step: u64, ranks: usize) -> Vec<f64> {
         match self {
@@ -128,6 +149,24 @@ mod tests {
         let t = Trace::load(&path);
         std::fs::remove_file(&path).unwrap();
         t
+    }
+
+    #[test]
+    fn a_compute_model_built_in_code_is_checked_too() {
+        let scaled = |time_scale| {
+            Compute::Profile(Imbalance {
+                profile: wagma::imbalance::Profile::HeavyTail,
+                time_scale,
+                seed: 1,
+            })
+        };
+        assert!(scaled(1.0).validate().is_ok());
+        assert!(scaled(1e20).validate().is_err());
+        let trace = |times: Vec<Vec<f64>>| Compute::Trace(Trace { times });
+        assert!(trace(vec![vec![0.1], vec![0.2, 0.3]]).validate().is_ok());
+        assert!(trace(vec![vec![0.1, 1e20]]).validate().is_err());
+        assert!(trace(vec![vec![0.1], vec![]]).validate().is_err());
+        assert!(trace(Vec::new()).validate().is_err());
     }
 
     fn line(rank: u64, step: u64, seconds: f64) -> String {

@@ -55,7 +55,7 @@ impl LogGp {
     }
 
     /// The largest value of each parameter, in seconds: one second of latency, or a byte
-    /// per second, is beyond any real network, and keeps simulated clocks from overflowing.
+    /// per second, is beyond any real network, and keeps a message's time representable.
     pub const MAX_S: f64 = 1.0;
 
     /// One-way time of a `bytes` message on an idle network.

@@ -66,6 +66,7 @@ pub fn simulate_on(spec: &SimSpec, network: Box<dyn NetworkModel>) -> Result<Sim
         return Err(SimError::Config("steps must be at least 1".into()));
     }
     spec.algo.algorithm.validate(spec.ranks)?;
+    spec.compute.validate()?;
     let draws = Arc::new(spec.compute.table(spec.steps, spec.ranks));
     let m = Spec {
         algo: spec.algo.clone(),

@@ -243,9 +243,8 @@ impl TrainConfig {
                 "the time budget must be positive".into(),
             ));
         }
-        if self.timeout.is_zero() {
-            return Err(TrainError::Config("timeout must be positive".into()));
-        }
+        wagma::util::check_timeout("timeout", self.timeout)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         if !self.execution.is_multi_process() {
             self.algo.validate(self.ranks)?;
         }

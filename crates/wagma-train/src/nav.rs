@@ -105,7 +105,8 @@ impl Episode {
     }
 
     /// Whether this episode, read back from a checkpoint, fits the environment `cfg`: its map
-    /// has `cfg`'s size, and the agent and the goal are on it.
+    /// has `cfg`'s size, the agent and the goal are on it, and its step limit is one a map of
+    /// that size gives (so that it ends).
     pub fn fits(&self, cfg: NavConfig) -> bool {
         let n = cfg.size;
         let on_map = |(x, y): (usize, usize)| x < n && y < n;
@@ -114,6 +115,8 @@ impl Episode {
             && self.to_goal.len() == n * n
             && on_map(self.pos)
             && on_map(self.goal)
+            && self.limit <= 2 * n * n + 8
+            && self.steps <= self.limit
     }
 
     fn cell(&self, x: i32, y: i32) -> bool {

@@ -3,6 +3,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+
 /// The longest timeout accepted, about 31.7 years ("never" for any job): deadlines are clocks
 /// plus timeouts (and some multiples of them), which must not overflow.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
@@ -11,10 +15,22 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
     Duration::try_from_secs_f64(secs)
         .ok()
-        .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+        .filter(|&d| check_timeout("", d).is_ok())
 }
 
-use serde::{Deserialize, Serialize};
+/// Checks that the timeout `what` is positive and at most [`MAX_TIMEOUT`].
+pub fn check_timeout(what: &'static str, d: Duration) -> Result<(), ConfigError> {
+    if d.is_zero() || d > MAX_TIMEOUT {
+        return Err(ConfigError::Invalid {
+            what,
+            detail: format!(
+                "{d:?} (must be positive and at most {} s)",
+                MAX_TIMEOUT.as_secs()
+            ),
+        });
+    }
+    Ok(())
+}
 
 /// Serializes a `Duration` as fractional seconds.
 pub mod serde_secs {

@@ -511,11 +511,10 @@ async fn measure(c: &mut Comm, args: &Args, s: usize) -> Result<Vec<Measured>, w
                     (Finished::Buffer(d), t0.elapsed())
                 }
             };
-            let slowest = super::slowest(c, dt.as_secs_f64()).await?;
-            // Read once every rank has finished: a rank's threads may still be sending to a
-            // slower one after its own collective returned, and that work is the
-            // collective's too.
+            // Read as this rank's collective returns: what follows (waiting for the slowest
+            // rank, which a polling transport spends CPU on) is not the collective's.
             let cpu = super::cpu_seconds(false) - cpu0;
+            let slowest = super::slowest(c, dt.as_secs_f64()).await?;
             if rep >= args.warmup {
                 times.push(slowest);
                 cpu_s += cpu;

@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long, default_value = "paper-resnet")]
     pub profile: Profile,
     /// Multiplies every compute time of the profile (1 = the paper's times: 450 ms per
-    /// ResNet step, 1.7-43.5 s per DD-PPO step).
+    /// ResNet step, 1.7-43.5 s per DD-PPO step; at most 10000).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// Iterations per algorithm.

@@ -450,6 +450,8 @@ mod tests {
         assert!(no_envs.is_err_and(|e| e.contains("environments saved")));
         let off_map = edited(&|s| s["envs"][0]["pos"] = serde_json::json!([99, 0]));
         assert!(off_map.is_err_and(|e| e.contains("does not fit")));
+        let endless = edited(&|s| s["envs"][0]["limit"] = serde_json::json!(u32::MAX));
+        assert!(endless.is_err_and(|e| e.contains("does not fit")));
         let too_many = edited(&|s| s["updates_left"] = serde_json::json!(1_000_000));
         assert!(too_many.is_err_and(|e| e.contains("updates left")));
         let torn = edited(&|s| {

@@ -47,10 +47,13 @@ impl Slot {
         })
     }
 
-    /// Stores the answer and wakes the waiting task.
+    /// Stores the answer and wakes the waiting task; a slot already answered keeps its first
+    /// answer.
     pub fn complete(&self, result: Result<Response, Error>) {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let SlotState::Waiting(waker) = std::mem::replace(&mut *state, SlotState::Done(result)) {
+        if let SlotState::Waiting(waker) = &mut *state {
+            let waker = waker.take();
+            *state = SlotState::Done(result);
             drop(state);
             if let Some(w) = waker {
                 w.wake();

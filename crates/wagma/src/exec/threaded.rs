@@ -65,8 +65,37 @@ impl Unreachable {
 }
 
 enum Cmd {
-    Request(Request, Arc<Slot>),
+    Request(Request, Reply),
     Leave { abort: bool },
+}
+
+/// Where the engine thread answers a request. One that is dropped unanswered, however that
+/// happens (the thread leaves, or panics and its queue is discarded), answers `Stopped`, so
+/// that no compute thread waits forever.
+struct Reply {
+    slot: Arc<Slot>,
+    rank: Rank,
+}
+
+impl Reply {
+    fn send(self, result: Result<Response, Error>) {
+        self.slot.complete(result);
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        let rank = self.rank;
+        let cause = std::thread::panicking().then(|| {
+            Box::new(Error::Protocol {
+                rank,
+                op: Op::Other("engine"),
+                detail: "the engine thread panicked".into(),
+            })
+        });
+        // Does nothing where `send` answered first.
+        self.slot.complete(Err(Error::Stopped { rank, cause }));
+    }
 }
 
 struct ThreadedPort {
@@ -78,12 +107,12 @@ struct ThreadedPort {
 impl Port for ThreadedPort {
     fn submit(&self, req: Request) -> Pending {
         let slot = Slot::new();
-        if self.tx.send(Cmd::Request(req, Arc::clone(&slot))).is_err() {
-            slot.complete(Err(Error::Stopped {
-                rank: self.rank,
-                cause: None,
-            }));
-        }
+        let reply = Reply {
+            slot: Arc::clone(&slot),
+            rank: self.rank,
+        };
+        // A request the engine thread can no longer take is answered as the reply drops.
+        let _ = self.tx.send(Cmd::Request(req, reply));
         Pending::new(self.rank, slot)
     }
 
@@ -135,36 +164,6 @@ pub fn spawn(
     Ok((Comm::new(rank, ranks, cfg, Arc::new(port)), handle))
 }
 
-/// The requests an engine thread holds. However the thread ends, dropping this answers every
-/// request it has not answered and every one still queued for it (after a panic in the engine
-/// or the transport, with that cause), so that no compute thread waits forever.
-struct Outstanding {
-    rank: Rank,
-    slots: HashMap<ReqId, Arc<Slot>>,
-    queued: Receiver<Cmd>,
-}
-
-impl Drop for Outstanding {
-    fn drop(&mut self) {
-        let rank = self.rank;
-        let panicked = std::thread::panicking();
-        let queued = self.queued.try_iter().filter_map(|c| match c {
-            Cmd::Request(_, slot) => Some(slot),
-            Cmd::Leave { .. } => None,
-        });
-        for slot in self.slots.drain().map(|(_, s)| s).chain(queued) {
-            let cause = panicked.then(|| {
-                Box::new(Error::Protocol {
-                    rank,
-                    op: Op::Other("engine"),
-                    detail: "the engine thread panicked".into(),
-                })
-            });
-            slot.complete(Err(Error::Stopped { rank, cause }));
-        }
-    }
-}
-
 fn engine_loop(
     mut engine: Engine,
     mut transport: Box<dyn Transport>,
@@ -172,12 +171,7 @@ fn engine_loop(
     inbox: Receiver<Incoming>,
     start: Instant,
 ) {
-    let mut outstanding = Outstanding {
-        rank: engine.rank(),
-        slots: HashMap::new(),
-        queued: cmds.clone(),
-    };
-    let slots = &mut outstanding.slots;
+    let mut slots: HashMap<ReqId, Reply> = HashMap::new();
     let mut next_id: ReqId = 0;
     let mut out = Vec::new();
     let never = crossbeam_channel::never();
@@ -197,18 +191,18 @@ fn engine_loop(
         let inbox_ref = if inbox_open { &inbox } else { &never };
         select! {
             recv(cmds) -> cmd => match cmd {
-                Ok(Cmd::Request(req, slot)) => {
+                Ok(Cmd::Request(req, reply)) => {
                     let id = next_id;
                     next_id += 1;
-                    slots.insert(id, slot);
+                    slots.insert(id, reply);
                     engine.on_request(start.elapsed(), id, req, &mut out);
                 }
                 Ok(Cmd::Leave { abort }) => {
-                    leave(&mut engine, transport.as_mut(), abort, slots);
+                    leave(&mut engine, transport.as_mut(), abort, &mut slots);
                     return;
                 }
                 Err(_) => {
-                    leave(&mut engine, transport.as_mut(), true, slots);
+                    leave(&mut engine, transport.as_mut(), true, &mut slots);
                     return;
                 }
             },
@@ -251,13 +245,19 @@ fn engine_loop(
                 FoldRequest::Withdraw { from, tag } => transport.unfold(from, tag),
             }
         }
-        perform(transport.as_mut(), slots, &mut out, &mut unreachable, start);
+        perform(
+            transport.as_mut(),
+            &mut slots,
+            &mut out,
+            &mut unreachable,
+            start,
+        );
     }
 }
 
 fn perform(
     transport: &mut dyn Transport,
-    slots: &mut HashMap<ReqId, Arc<Slot>>,
+    slots: &mut HashMap<ReqId, Reply>,
     out: &mut Vec<Action>,
     unreachable: &mut Unreachable,
     start: Instant,
@@ -275,8 +275,8 @@ fn perform(
                     }
                 }
                 Action::Complete { id, result } => {
-                    if let Some(slot) = slots.remove(&id) {
-                        slot.complete(result);
+                    if let Some(reply) = slots.remove(&id) {
+                        reply.send(result);
                     }
                 }
                 Action::Disconnect { peer } => transport.disconnect(peer),
@@ -289,18 +289,14 @@ fn leave(
     engine: &mut Engine,
     transport: &mut dyn Transport,
     abort: bool,
-    slots: &mut HashMap<ReqId, Arc<Slot>>,
+    slots: &mut HashMap<ReqId, Reply>,
 ) {
     transport.leaving();
     for (to, env) in engine.farewell(abort) {
         let _ = transport.send(to, env);
     }
-    for (_, slot) in slots.drain() {
-        slot.complete(Err(Error::Stopped {
-            rank: engine.rank(),
-            cause: None,
-        }));
-    }
+    // Each answers `Stopped` as it drops.
+    slots.clear();
 }
 
 /// Runs `task` on `ranks` in-process ranks (a compute thread and an engine thread each, over
@@ -541,6 +537,36 @@ mod tests {
         engine.join().expect("engine thread ends");
     }
 
+    #[test]
+    fn a_reply_answers_once_and_an_unanswered_one_answers_stopped_as_it_drops() {
+        let answered = Slot::new();
+        Reply {
+            slot: Arc::clone(&answered),
+            rank: 3,
+        }
+        .send(Ok(Response::Done));
+        assert!(matches!(
+            block_on(Pending::new(3, answered)),
+            Ok(Response::Done)
+        ));
+        let dropped = Slot::new();
+        drop(Reply {
+            slot: Arc::clone(&dropped),
+            rank: 3,
+        });
+        let err = block_on(Pending::new(3, dropped)).expect_err("answered as it dropped");
+        assert!(
+            matches!(
+                err,
+                Error::Stopped {
+                    rank: 3,
+                    cause: None
+                }
+            ),
+            "{err}"
+        );
+    }
+
     /// A transport with a defect: its first send panics.
     struct Panicking;
 
@@ -590,11 +616,13 @@ mod tests {
         // Rank 0's clock started long before rank 1's, as a job's first process does against
         // a rank that rejoins later: the clocks do not compare, and aligning must not make
         // rank 1 wait for rank 0's.
-        let (early, skew) = [3600, 300, 60]
+        // Short enough that, without the fix, the test fails within a minute instead of
+        // sleeping the difference out for long.
+        let (early, skew) = [60, 20]
             .into_iter()
             .map(Duration::from_secs)
             .find_map(|d| Instant::now().checked_sub(d).map(|t| (t, d)))
-            .expect("the machine has been up for a minute");
+            .expect("the machine has been up for 20 s");
         let starts = [early, Instant::now()];
         let cfg = EngineConfig {
             timeout: Duration::from_secs(30),

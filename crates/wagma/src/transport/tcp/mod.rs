@@ -219,21 +219,8 @@ impl TcpConfig {
     /// Checks rank, world size and timeouts.
     pub fn validate(&self) -> Result<(), ConfigError> {
         super::discover::check_rank(self.rank, self.world)?;
-        for (what, t) in [
-            ("connect timeout", self.connect_timeout),
-            ("I/O timeout", self.io_timeout),
-        ] {
-            if t.is_zero() || t > crate::util::MAX_TIMEOUT {
-                return Err(ConfigError::Invalid {
-                    what,
-                    detail: format!(
-                        "{t:?} (must be positive and at most {} s)",
-                        crate::util::MAX_TIMEOUT.as_secs()
-                    ),
-                });
-            }
-        }
-        Ok(())
+        crate::util::check_timeout("connect timeout", self.connect_timeout)?;
+        crate::util::check_timeout("I/O timeout", self.io_timeout)
     }
 }
 
