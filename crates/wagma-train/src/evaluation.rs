@@ -204,7 +204,8 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
             .filter_map(move |e| e.get(i).copied().filter(|&x| x > 0))
     };
     let first = said(0).min().map(|x| x - 1);
-    let last = said(1).max().map(|x| x - 1);
+    // No rank evaluates past the run's last step, whatever a peer reports.
+    let last = said(1).max().map(|x| (x - 1).min(s.cfg.steps));
     let points: Vec<u64> = match (first, last) {
         (Some(a), Some(b)) if a <= b => {
             let mine: Vec<u64> = snaps.iter().map(|x| x.iteration).collect();
