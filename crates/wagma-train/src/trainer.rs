@@ -670,7 +670,7 @@ async fn run_rank<'s, W: Workload>(
                     format!("rank {rank}'s state does not fit this model"),
                 ));
             }
-            w.load_local(&mut local, &st.local)
+            w.load_local(&mut local, &st.local, st.iteration)
                 .map_err(|m| TrainError::checkpoint(ckpt, format!("rank {rank}: {m}")))?;
             let resume = Resume {
                 iteration: st.iteration,

@@ -132,6 +132,19 @@ fn translation_learns_a_toy_language_pair() {
 }
 
 #[test]
+fn a_translation_state_that_drew_more_batches_than_steps_is_refused() {
+    use wagma_train::workloads::Workload;
+    let w = TranslateWorkload::new(toy_corpus(), 16, Dims::default(), 40);
+    let mut local = w.local(0, 2, 7);
+    assert!(
+        w.load_local(&mut local, &serde_json::json!({"drawn": 5}), 5)
+            .is_ok()
+    );
+    let endless = w.load_local(&mut local, &serde_json::json!({"drawn": u64::MAX}), 5);
+    assert!(endless.is_err_and(|e| e.contains("batches drawn")));
+}
+
+#[test]
 fn translation_reads_the_machines_catalogs() {
     let dir = Path::new(wagma_train::data::gettext::GERMAN_DIR);
     if !dir.is_dir() {

@@ -277,7 +277,12 @@ impl Workload for ImageWorkload {
         serde_json::json!({ "epoch": epoch, "at": at })
     }
 
-    fn load_local(&self, local: &mut ImageLocal, saved: &serde_json::Value) -> Result<(), String> {
+    fn load_local(
+        &self,
+        local: &mut ImageLocal,
+        saved: &serde_json::Value,
+        _iteration: u64,
+    ) -> Result<(), String> {
         let epoch = saved["epoch"].as_u64().ok_or("no sampler epoch")?;
         let at = saved["at"].as_u64().ok_or("no sampler position")? as usize;
         local.sampler.seek(epoch, at);

@@ -46,8 +46,14 @@ pub trait Workload: Sync {
     /// The per-rank state to put in a checkpoint.
     fn save_local(&self, local: &Self::Local) -> serde_json::Value;
 
-    /// Restores per-rank state from a checkpoint.
-    fn load_local(&self, local: &mut Self::Local, saved: &serde_json::Value) -> Result<(), String>;
+    /// Restores per-rank state from a checkpoint taken at `iteration` (no rank's state
+    /// embodies more local steps than that).
+    fn load_local(
+        &self,
+        local: &mut Self::Local,
+        saved: &serde_json::Value,
+        iteration: u64,
+    ) -> Result<(), String>;
 }
 
 /// Index of the largest value in each row of `logits` `[n, k]`.

@@ -417,7 +417,12 @@ impl Workload for NavigateWorkload {
         l
     }
 
-    fn load_local(&self, local: &mut NavLocal, saved: &serde_json::Value) -> Result<(), String> {
+    fn load_local(
+        &self,
+        local: &mut NavLocal,
+        saved: &serde_json::Value,
+        _iteration: u64,
+    ) -> Result<(), String> {
         let pos: u128 = saved["rng_pos"]
             .as_str()
             .and_then(|s| s.parse().ok())
@@ -440,11 +445,11 @@ mod tests {
         let w = NavigateWorkload::new(NavConfig::default(), PpoConfig::default(), 8);
         let saved = w.save_local(&w.local(0, 2, 7));
         let mut local = w.local(0, 2, 7);
-        assert!(w.load_local(&mut local, &saved).is_ok());
+        assert!(w.load_local(&mut local, &saved, 10).is_ok());
         let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
             let mut s = saved.clone();
             edit(&mut s);
-            w.load_local(&mut w.local(0, 2, 7), &s)
+            w.load_local(&mut w.local(0, 2, 7), &s, 10)
         };
         let no_envs = edited(&|s| s["envs"] = serde_json::json!([]));
         assert!(no_envs.is_err_and(|e| e.contains("environments saved")));

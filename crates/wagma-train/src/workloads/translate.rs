@@ -355,8 +355,16 @@ impl Workload for TranslateWorkload {
         &self,
         local: &mut TranslateLocal,
         saved: &serde_json::Value,
+        iteration: u64,
     ) -> Result<(), String> {
         let drawn = saved["drawn"].as_u64().ok_or("no sampler position")?;
+        // One batch per local step: more than the iterations is not a state a run writes (and
+        // replaying it would take as long).
+        if drawn > iteration {
+            return Err(format!(
+                "{drawn} batches drawn by iteration {iteration} (one per step)"
+            ));
+        }
         // Replay the sampler to the same position (deterministic from its seed).
         *local = self.local(local.rank, local.ranks, local.seed);
         for _ in 0..drawn {
