@@ -550,7 +550,6 @@ pub fn run<W: Workload>(
         }
     }
     let resumed_s = shared.resume.as_ref().map_or(0.0, |(_, m)| m.train_s);
-    let resumed_from = shared.resume.as_ref().map_or(0, |(_, m)| m.iteration);
     let wall = points.last().map_or(resumed_s, |e| e.record.wall_s);
     let summary = Summary {
         workload: w.name().into(),
@@ -580,7 +579,8 @@ pub fn run<W: Workload>(
             .compute
             .as_ref()
             .filter(|_| cfg.execution == Execution::Virtual)
-            .map(|c| c.ideal(resumed_from, end.steps_done, ranks)),
+            // From step 0, as `wall_s` (a resumed run carries the time before it).
+            .map(|c| c.ideal(0, end.steps_done, ranks)),
     };
     if let Some(o) = &shared.outputs {
         o.finish(&summary)?;

@@ -198,9 +198,17 @@ fn a_resumed_deterministic_run_ends_with_the_uninterrupted_model() {
     let mut r = c.clone();
     r.out = out("resume-b");
     r.resume = Some(c.out.join("checkpoints"));
-    train(&w, &r);
+    let b = train(&w, &r);
     // The checkpoint at 15 rounds up to 15 (a multiple of tau); 30 is kept as the latest.
     assert_eq!(model(&c.out), model(&r.out));
+    // Time and its no-wait ideal both count from step 0.
+    assert_eq!(b.ideal_s, a.ideal_s);
+    assert!(
+        b.ideal_s.is_some_and(|i| i <= b.wall_s),
+        "{:?} {}",
+        b.ideal_s,
+        b.wall_s
+    );
     for d in [&c.out, &r.out] {
         std::fs::remove_dir_all(d).unwrap();
     }
