@@ -1000,12 +1000,15 @@ async fn write_checkpoint<W: Workload>(
         local: s.w.save_local(local),
     };
     let mine = checkpoint::write_rank(dir, &state);
-    let failed = worker
+    // One vote: whether each rank wrote its part, and its clock; the checkpoint's time is the
+    // latest (the time of an iteration is when its last rank finished it, and rank 0's clock,
+    // which leaves out the most evaluation output, is often the earliest).
+    let votes = worker
         .comm()
-        .allreduce(Payload::Data(vec![f32::from(u8::from(mine.is_err()))]))
-        .await?
-        .into_vec();
-    let any_failed = failed.first().is_some_and(|&x| x > 0.0);
+        .gather_u64(&[u64::from(mine.is_err()), secs_to_ns(train_s)])
+        .await?;
+    let any_failed = votes.iter().any(|v| v.first().is_some_and(|&f| f > 0));
+    let train_s = latest_s(votes.iter().filter_map(|v| v.get(1).copied()));
     let mut committed = Ok(dir.clone());
     if rank == 0 {
         if any_failed {
