@@ -271,6 +271,7 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
             iteration: *t,
             wall_s,
             samples: mine.map_or(0, |x| x.samples),
+            resumed_s: s.resumed_s(),
         };
         let replica = s.cfg.eval_replica.then(|| &sums[k..m]);
         let record = point.record(s.w, &sums[..k], replica, &sums[m..q], &sums[q..]);
@@ -287,6 +288,9 @@ struct Point {
     iteration: u64,
     wall_s: f64,
     samples: u64,
+    /// The time a resumed run carries from before its resume: its waiting is this process's
+    /// only, so its share of time is over the rest.
+    resumed_s: f64,
 }
 
 impl Point {
@@ -315,7 +319,7 @@ impl Point {
             consensus: named(consensus),
             replica0: replica.map(named),
             consensus_distance: rest[2] / totals.alive.max(1) as f64,
-            wait_fraction: totals.wait_fraction(self.wall_s),
+            wait_fraction: totals.wait_fraction(self.wall_s - self.resumed_s),
             staleness: totals.staleness,
             ranks_alive: totals.alive,
             train_loss: (rest[1] > 0.0).then(|| rest[0] / rest[1]),
@@ -384,6 +388,7 @@ pub(crate) fn evaluate_in_process<W: Workload>(
             iteration: t,
             wall_s: latest_s(present.iter().map(|(_, x)| x.clock_ns)),
             samples: present.first().map_or(0, |(_, x)| x.samples),
+            resumed_s: s.resumed_s(),
         };
         let replica = present
             .into_iter()

@@ -278,6 +278,13 @@ pub(crate) struct Shared<'a, W: Workload> {
     observer: &'a dyn Observer,
 }
 
+impl<W: Workload> Shared<'_, W> {
+    /// The training time a resumed run carries from before its resume (0 for a fresh run).
+    pub(crate) fn resumed_s(&self) -> f64 {
+        self.resume.as_ref().map_or(0.0, |(_, m)| m.train_s)
+    }
+}
+
 /// Compute times drawn once per step for all ranks (a draw costs O(P)), kept for the ranks
 /// that get there later.
 struct ComputeTimes {
@@ -549,7 +556,7 @@ pub fn run<W: Workload>(
             observer.eval(&e.record);
         }
     }
-    let resumed_s = shared.resume.as_ref().map_or(0.0, |(_, m)| m.train_s);
+    let resumed_s = shared.resumed_s();
     let wall = points.last().map_or(resumed_s, |e| e.record.wall_s);
     let summary = Summary {
         workload: w.name().into(),
@@ -569,7 +576,8 @@ pub fn run<W: Workload>(
             .last()
             .map(|e| e.record.consensus.clone())
             .unwrap_or_default(),
-        wait_fraction: totals.wait_fraction(wall),
+        // The waiting counted is this run's, since its resume.
+        wait_fraction: totals.wait_fraction(wall - resumed_s),
         ranks_alive: totals.alive,
         staleness: totals.staleness,
         params: init.params.len(),

@@ -201,6 +201,14 @@ fn a_resumed_deterministic_run_ends_with_the_uninterrupted_model() {
     let b = train(&w, &r);
     // The checkpoint at 15 rounds up to 15 (a multiple of tau); 30 is kept as the latest.
     assert_eq!(model(&c.out), model(&r.out));
+    // Its waiting is the resumed part's, and so is the time it is a share of: about the
+    // uninterrupted run's share (0.134 against 0.144), not a quarter of it.
+    assert!(
+        (0.5..1.5).contains(&(b.wait_fraction / a.wait_fraction)),
+        "{} against {}",
+        b.wait_fraction,
+        a.wait_fraction
+    );
     // Time and its no-wait ideal both count from step 0.
     assert_eq!(b.ideal_s, a.ideal_s);
     assert!(
