@@ -101,7 +101,8 @@ pub struct Args {
     /// Iterations (default: 600 for image, 1500 for translate, 3000 for navigate).
     #[arg(long, conflicts_with = "epochs")]
     pub steps: Option<u64>,
-    /// Stop at the first evaluation after this many seconds of training.
+    /// Stop once this many seconds of training are spent (at the evaluation after the first at
+    /// or past it: the ranks learn it one evaluation later, without waiting for each other).
     #[arg(long)]
     pub budget_seconds: Option<f64>,
     /// Epochs over the training data (image and translate), converted to iterations once the

@@ -101,7 +101,9 @@ pub struct TrainConfig {
     pub ranks: usize,
     /// Iterations (at most, with a budget).
     pub steps: u64,
-    /// Stop at the first evaluation after this much training time.
+    /// Stop once this much training time is spent: at the evaluation after the first one at
+    /// which it is (the ranks vote with their clocks at every evaluation and learn the outcome
+    /// at the next, so that none waits for another).
     #[serde(default)]
     pub budget: Option<f64>,
     /// Evaluate every this many iterations (and at the end).

@@ -738,6 +738,8 @@ async fn run_rank<'s, W: Workload>(
     let mut trace: Vec<TraceLine> = Vec::new();
     let mut losses = LossSum::default();
     let mut snapshots: Vec<Snapshot> = Vec::new();
+    // The budget vote of the last evaluation point, in flight.
+    let mut vote: Option<wagma::exec::Gathering> = None;
     for t in start_iter..cfg.steps {
         let d = s.compute.as_ref().map_or(0.0, |c| c.of(t, rank, p));
         let d = Duration::from_secs_f64(d);
@@ -825,11 +827,26 @@ async fn run_rank<'s, W: Workload>(
             snapshots.push(Snapshot::take(&mut worker, done, samples, now, taken));
             excluded += (worker.comm().now() - e0).as_secs_f64();
             if let Some(budget) = cfg.budget {
-                // A time budget needs an agreement on when it is spent: the one collective of
-                // an evaluation point, and only with a budget.
-                let clocks = worker.comm().gather_u64(&[secs_to_ns(now)]).await?;
-                out_of_budget =
-                    latest_s(clocks.iter().filter_map(|c| c.first().copied())) >= budget;
+                // A time budget needs an agreement on when it is spent. The ranks vote with
+                // their clocks at every evaluation point and learn the outcome at the next:
+                // by then the vote has long completed, so that no rank waits for another
+                // (evaluation must not synchronise the run). Where a rank may be admitted,
+                // which a vote in flight would span, the vote completes at once, at a point
+                // WAGMA's global average synchronises anyway.
+                let spent = |clocks: Vec<Vec<u64>>| {
+                    latest_s(clocks.iter().filter_map(|c| c.first().copied())) >= budget
+                };
+                if let Some(earlier) = vote.take() {
+                    out_of_budget = spent(worker.comm().finish_gather_u64(earlier).await?);
+                }
+                if !out_of_budget && done < cfg.steps {
+                    let started = worker.comm().start_gather_u64(&[secs_to_ns(now)]);
+                    if cfg.admits_rejoins() {
+                        out_of_budget = spent(worker.comm().finish_gather_u64(started).await?);
+                    } else {
+                        vote = Some(started);
+                    }
+                }
             }
         }
         steps_done = done;

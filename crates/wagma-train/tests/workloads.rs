@@ -223,6 +223,38 @@ fn a_resumed_deterministic_run_ends_with_the_uninterrupted_model() {
 }
 
 #[test]
+fn a_time_budget_stops_the_run_without_making_its_ranks_wait_for_each_other() {
+    // Ranks that never communicate while training (local SGD averaging less often than the
+    // run is long) and whose compute times differ: any wait is the budget's.
+    let w = image(16);
+    let mut c = config(WorkloadKind::Image, "local-sgd", 4, 40, &out("budget"));
+    c.algo = AlgoConfig::new(Algorithm::LocalSgd { period: 1000 });
+    c.eval_every = 10;
+    c.imbalance = Some(Imbalance {
+        profile: Profile::PaperResnet,
+        time_scale: 0.01,
+        seed: 4,
+    });
+    let mut twenty = c.clone();
+    twenty.steps = 20;
+    twenty.out = out("budget-none");
+    let whole = train(&w, &twenty);
+    // Spent by the first evaluation: the ranks learn it at the second and stop there, as
+    // the run of 20 steps without a budget does, and at the same time.
+    c.budget = Some(1e-6);
+    let s = train(&w, &c);
+    assert_eq!(s.steps, 20);
+    assert_eq!(
+        s.wall_s, whole.wall_s,
+        "the ranks waited for the budget's vote"
+    );
+    assert_eq!(s.wait_fraction, whole.wait_fraction);
+    for d in [&c.out, &twenty.out] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
 fn bad_data_and_checkpoints_are_refused() {
     // A directory that holds something else.
     let junk = out("junk");

@@ -50,8 +50,9 @@ pub struct Args {
     /// Training seconds per algorithm instead of a number of iterations. The length of a run is
     /// then unknown, so the learning rate does not decay: after the warm-up of the workload's
     /// default run (600 iterations for image, 900 for translate, 2000 for navigate) it stays at
-    /// its peak. A run stops at its first evaluation after the budget, and evaluations come
-    /// every default run / --eval-points iterations.
+    /// its peak. A run stops at the evaluation after the first one at or past the budget (the
+    /// ranks learn it one evaluation later, without waiting for each other), and evaluations
+    /// come every default run / --eval-points iterations.
     #[arg(long)]
     pub budget_seconds: Option<f64>,
     /// Evaluations per run (with --budget-seconds: per default run, which sets the evaluation

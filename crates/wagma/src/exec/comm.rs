@@ -17,6 +17,23 @@ use crate::trace::{COMPUTE, TraceEvent, Tracer};
 use crate::transport::{Contribution, Kind};
 use crate::util::Histogram;
 
+/// A request handed to the engine, and what a timeline calls its wait.
+struct Submitted {
+    pending: Pending,
+    name: String,
+}
+
+/// A gather of `u64`s in flight ([`Comm::start_gather_u64`]).
+#[must_use = "every rank must finish a gather it started"]
+pub struct Gathering {
+    call: Submitted,
+    /// Values per rank.
+    k: usize,
+}
+
+/// Bits of a `u64` a gather carries in one `f32` slot of a sum (exact: at most 2^24).
+const PART: u32 = 22;
+
 /// Counters kept by the compute side.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CommStats {
@@ -114,6 +131,12 @@ impl Comm {
     }
 
     async fn call(&mut self, req: Request) -> Result<Response, Error> {
+        let call = self.submit(req);
+        self.wait(call).await
+    }
+
+    /// Hands `req` to the engine without waiting for its answer.
+    fn submit(&mut self, req: Request) -> Submitted {
         let name = if self.tracer.enabled() {
             match &req {
                 Request::Arrive { round, .. } => format!("wait: round {round}"),
@@ -128,13 +151,20 @@ impl Comm {
         } else {
             String::new()
         };
+        Submitted {
+            pending: self.port.submit(req),
+            name,
+        }
+    }
+
+    /// Waits for the answer to a submitted request; the time it takes is waiting.
+    async fn wait(&mut self, call: Submitted) -> Result<Response, Error> {
         let t0 = self.port.now();
-        let pending: Pending = self.port.submit(req);
-        let r = pending.await;
+        let r = call.pending.await;
         let t1 = self.port.now();
         self.stats.wait_s += t1.saturating_sub(t0).as_secs_f64();
         self.tracer
-            .span(COMPUTE, "wait", name, t0, t1, serde_json::Value::Null);
+            .span(COMPUTE, "wait", call.name, t0, t1, serde_json::Value::Null);
         r
     }
 
@@ -186,28 +216,16 @@ impl Comm {
         weight: f64,
         steps: u64,
     ) -> Result<Exchanged, Error> {
-        match self
-            .call(Request::Run(CollectiveRun {
-                kind,
-                seq,
-                schedule,
-                data,
-                weight,
-                steps,
-            }))
-            .await?
-        {
-            Response::Data {
-                data,
-                weight,
-                contributions,
-            } => Ok(Exchanged {
-                data,
-                weight,
-                contributions,
-            }),
-            _ => Err(self.unexpected("run")),
-        }
+        let run = CollectiveRun {
+            kind,
+            seq,
+            schedule,
+            data,
+            weight,
+            steps,
+        };
+        let call = self.submit(Request::Run(run));
+        self.exchanged(call).await
     }
 
     /// Blocking sum over all ranks. Every rank must call it the same number of times.
@@ -243,6 +261,17 @@ impl Comm {
         choice: AlgorithmChoice,
         op: Reduce,
     ) -> Result<Exchanged, Error> {
+        let call = self.start_world_collective(data, choice, op);
+        self.exchanged(call).await
+    }
+
+    /// Starts a collective over every rank of the job without waiting for it.
+    fn start_world_collective(
+        &mut self,
+        data: Payload,
+        choice: AlgorithmChoice,
+        op: Reduce,
+    ) -> Submitted {
         let seq = self.collective_seq;
         self.collective_seq += 1;
         let schedule = {
@@ -250,8 +279,32 @@ impl Comm {
             self.allreduce_schedule(&members, data.len(), &choice)
                 .with_reduction(op)
         };
-        self.run(Kind::Collective, seq, schedule, data, 0.0, 0)
-            .await
+        // A collective of the job, not of training: no weight, no steps.
+        let run = CollectiveRun {
+            kind: Kind::Collective,
+            seq,
+            schedule,
+            data,
+            weight: 0.0,
+            steps: 0,
+        };
+        self.submit(Request::Run(run))
+    }
+
+    /// The result of a submitted run.
+    async fn exchanged(&mut self, call: Submitted) -> Result<Exchanged, Error> {
+        match self.wait(call).await? {
+            Response::Data {
+                data,
+                weight,
+                contributions,
+            } => Ok(Exchanged {
+                data,
+                weight,
+                contributions,
+            }),
+            _ => Err(self.unexpected("run")),
+        }
     }
 
     /// Blocking sum over `members` (strictly ascending ranks of the job, this rank among
@@ -353,8 +406,14 @@ impl Comm {
     /// Every rank's `values` (each rank passes as many), indexed by rank: a blocking
     /// collective. Ranks that contributed nothing (lost in elastic mode) read as zeros.
     pub async fn gather_u64(&mut self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
-        // Each value as three 22-bit parts (exact in f32) in this rank's slots of a sum.
-        const PART: u32 = 22;
+        let g = self.start_gather_u64(values);
+        self.finish_gather_u64(g).await
+    }
+
+    /// [`Comm::gather_u64`] started without waiting for it: the engine runs it while this
+    /// rank goes on, and [`Comm::finish_gather_u64`] takes its result. Every rank starts its
+    /// gathers in the same order as its other collectives over the whole job.
+    pub fn start_gather_u64(&mut self, values: &[u64]) -> Gathering {
         let (p, k) = (self.size, values.len());
         let mut v = vec![0f32; 3 * k * p];
         for (i, &x) in values.iter().enumerate() {
@@ -362,7 +421,15 @@ impl Comm {
                 v[3 * (self.rank * k + i) + j] = ((x >> (PART * j as u32)) & 0x3f_ffff) as f32;
             }
         }
-        let all = self.allreduce(Payload::Data(v)).await?.into_vec();
+        let call = self.start_world_collective(Payload::Data(v), self.cfg.algorithm, Reduce::Sum);
+        Gathering { call, k }
+    }
+
+    /// The result of a gather started with [`Comm::start_gather_u64`]; the time this waits is
+    /// counted as waiting.
+    pub async fn finish_gather_u64(&mut self, g: Gathering) -> Result<Vec<Vec<u64>>, Error> {
+        let (p, k) = (self.size, g.k);
+        let all = self.exchanged(g.call).await?.data.into_vec();
         if k == 0 {
             return Ok(vec![Vec::new(); p]);
         }

@@ -21,7 +21,7 @@ use crate::Rank;
 use crate::engine::{Request, Response};
 use crate::error::Error;
 
-pub use comm::{Comm, CommStats, Exchanged};
+pub use comm::{Comm, CommStats, Exchanged, Gathering};
 
 /// Where a request's answer lands: the executor completes it, the compute side awaits it.
 pub(crate) struct Slot {
