@@ -19,6 +19,12 @@ pub struct TraceLine {
     pub seconds: f64,
 }
 
+/// Whether `s` seconds is a time a step may take: finite, not negative, at most
+/// [`MAX_STEP_S`].
+fn is_step_time(s: f64) -> bool {
+    s.is_finite() && (0.0..=MAX_STEP_S).contains(&s)
+}
+
 /// Per-rank compute times of a recorded run.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Trace {
@@ -50,7 +56,7 @@ impl Trace {
         let mut times: Vec<Vec<f64>> = Vec::new();
         let mut last: Option<(usize, u64)> = None;
         for l in lines {
-            if !(l.seconds.is_finite() && (0.0..=MAX_STEP_S).contains(&l.seconds)) {
+            if !is_step_time(l.seconds) {
                 return Err(err(format!(
                     "rank {} step {}: bad time {} (must be finite, >= 0 and <= {MAX_STEP_S} s)",
                     l.rank, l.step, l.seconds
@@ -95,12 +101,7 @@ impl Compute {
     pub fn validate(&self) -> Result<(), SimError> {
         match self {
             Compute::Profile(im) => Ok(im.validate()?),
-            Compute::Trace(t) => match t
-                .times
-                .iter()
-                .flatten()
-                .find(|s| !(s.is_finite() && (0.0..=MAX_STEP_S).contains(*s)))
-            {
+            Compute::Trace(t) => match t.times.iter().flatten().find(|&&s| !is_step_time(s)) {
                 Some(s) => Err(SimError::Config(format!(
                     "a recorded step time of {s} s (must be finite, >= 0 and <= {MAX_STEP_S} s)"
                 ))),

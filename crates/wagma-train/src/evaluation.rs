@@ -156,7 +156,7 @@ impl Snapshot {
     }
 }
 
-/// Seconds as whole nanoseconds (for exact transport through [`wagma::Comm::gather_u64`]).
+/// Seconds as whole nanoseconds (for exact transport through [`wagma::exec::Comm::gather_u64`]).
 pub(crate) fn secs_to_ns(s: f64) -> u64 {
     (s.max(0.0) * 1e9).round() as u64
 }
@@ -173,6 +173,12 @@ fn squared_distance(replica: &[f32], consensus: &[f32]) -> f64 {
 /// The latest of the ranks' clocks in seconds; zeros (ranks with nothing to report) are absent.
 pub(crate) fn latest_s(clocks: impl IntoIterator<Item = u64>) -> f64 {
     clocks.into_iter().max().unwrap_or(0) as f64 * 1e-9
+}
+
+/// The latest of the clocks (in nanoseconds) at position `i` of what each rank passed to
+/// [`wagma::exec::Comm::gather_u64`].
+pub(crate) fn latest_in(gathered: &[Vec<u64>], i: usize) -> f64 {
+    latest_s(gathered.iter().filter_map(|v| v.get(i).copied()))
 }
 
 /// An evaluated point and the consensus model it was computed from.
@@ -229,7 +235,7 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
     let mut out = Vec::with_capacity(points.len());
     for (j, t) in points.iter().enumerate() {
         let mine = by_iter.get(t);
-        let wall_s = latest_s(clocks.iter().filter_map(|c| c.get(j).copied()));
+        let wall_s = latest_in(&clocks, j);
         // The consensus: the sum of the snapshots and how many there are.
         // A rank without a snapshot adds -0.0, the exact identity (+0.0 would turn a -0.0
         // into +0.0).
@@ -271,10 +277,9 @@ pub(crate) async fn evaluate_snapshots<W: Workload>(
             iteration: *t,
             wall_s,
             samples: mine.map_or(0, |x| x.samples),
-            resumed_s: s.resumed_s(),
         };
         let replica = s.cfg.eval_replica.then(|| &sums[k..m]);
-        let record = point.record(s.w, &sums[..k], replica, &sums[m..q], &sums[q..]);
+        let record = point.record(s, &sums[..k], replica, &sums[m..q], &sums[q..]);
         out.push(Evaluation {
             record,
             consensus: (params, buffers),
@@ -288,9 +293,6 @@ struct Point {
     iteration: u64,
     wall_s: f64,
     samples: u64,
-    /// The time a resumed run carries from before its resume: its waiting is this process's
-    /// only, so its share of time is over the rest.
-    resumed_s: f64,
 }
 
 impl Point {
@@ -299,14 +301,14 @@ impl Point {
     /// squared distances]`.
     fn record<W: Workload>(
         &self,
-        w: &W,
+        s: &Shared<'_, W>,
         consensus: &[f64],
         replica: Option<&[f64]>,
         totals: &[f64],
         rest: &[f64],
     ) -> EvalRecord {
         let named = |xs: &[f64]| -> BTreeMap<String, f64> {
-            w.metrics(xs)
+            s.w.metrics(xs)
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect()
@@ -319,7 +321,8 @@ impl Point {
             consensus: named(consensus),
             replica0: replica.map(named),
             consensus_distance: rest[2] / totals.alive.max(1) as f64,
-            wait_fraction: totals.wait_fraction(self.wall_s - self.resumed_s),
+            // A resumed run's waiting is counted since its resume, and so is its time.
+            wait_fraction: totals.wait_fraction(self.wall_s - s.resumed_s()),
             staleness: totals.staleness,
             ranks_alive: totals.alive,
             train_loss: (rest[1] > 0.0).then(|| rest[0] / rest[1]),
@@ -388,7 +391,6 @@ pub(crate) fn evaluate_in_process<W: Workload>(
             iteration: t,
             wall_s: latest_s(present.iter().map(|(_, x)| x.clock_ns)),
             samples: present.first().map_or(0, |(_, x)| x.samples),
-            resumed_s: s.resumed_s(),
         };
         let replica = present
             .into_iter()
@@ -420,7 +422,7 @@ pub(crate) fn evaluate_in_process<W: Workload>(
         let replica = p.replica.as_ref().and_then(|_| stats.next());
         let record = p
             .point
-            .record(s.w, &consensus, replica.as_deref(), &p.totals, &p.rest);
+            .record(s, &consensus, replica.as_deref(), &p.totals, &p.rest);
         out.push(Evaluation {
             record,
             consensus: p.consensus,
@@ -492,7 +494,7 @@ async fn replica_of(
 
 /// Sums `xs` over the ranks in `f64`, in rank order. The engine's own sums are `f32`, which
 /// would round counts past 2^24: each value travels exactly, as its bits, through
-/// [`wagma::Comm::gather_u64`].
+/// [`wagma::exec::Comm::gather_u64`].
 pub(crate) async fn sum_over_ranks(
     worker: &mut Worker<'_>,
     xs: &[f64],

@@ -19,7 +19,7 @@ use crate::config::{Execution, TrainConfig};
 use crate::error::TrainError;
 pub use crate::evaluation::EvalRecord;
 use crate::evaluation::{
-    Evaluation, LossSum, Snapshot, Totals, evaluate_in_process, evaluate_snapshots, latest_s,
+    Evaluation, LossSum, Snapshot, Totals, evaluate_in_process, evaluate_snapshots, latest_in,
     secs_to_ns, sum_over_ranks,
 };
 use crate::flat::{FlatModel, Layout, train_device};
@@ -833,9 +833,7 @@ async fn run_rank<'s, W: Workload>(
                 // (evaluation must not synchronise the run). Where a rank may be admitted,
                 // which a vote in flight would span, the vote completes at once, at a point
                 // WAGMA's global average synchronises anyway.
-                let spent = |clocks: Vec<Vec<u64>>| {
-                    latest_s(clocks.iter().filter_map(|c| c.first().copied())) >= budget
-                };
+                let spent = |clocks: Vec<Vec<u64>>| latest_in(&clocks, 0) >= budget;
                 if let Some(earlier) = vote.take() {
                     out_of_budget = spent(worker.comm().finish_gather_u64(earlier).await?);
                 }
@@ -1033,7 +1031,7 @@ async fn write_checkpoint<W: Workload>(
         .gather_u64(&[u64::from(mine.is_err()), secs_to_ns(train_s)])
         .await?;
     let any_failed = votes.iter().any(|v| v.first().is_some_and(|&f| f > 0));
-    let train_s = latest_s(votes.iter().filter_map(|v| v.get(1).copied()));
+    let train_s = latest_in(&votes, 1);
     let mut committed = Ok(dir.clone());
     if rank == 0 {
         if any_failed {

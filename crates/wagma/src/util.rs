@@ -15,12 +15,17 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
     Duration::try_from_secs_f64(secs)
         .ok()
-        .filter(|&d| check_timeout("", d).is_ok())
+        .filter(|&d| is_timeout(d))
+}
+
+/// Whether `d` may be a timeout: positive and at most [`MAX_TIMEOUT`].
+fn is_timeout(d: Duration) -> bool {
+    !d.is_zero() && d <= MAX_TIMEOUT
 }
 
 /// Checks that the timeout `what` is positive and at most [`MAX_TIMEOUT`].
 pub fn check_timeout(what: &'static str, d: Duration) -> Result<(), ConfigError> {
-    if d.is_zero() || d > MAX_TIMEOUT {
+    if !is_timeout(d) {
         return Err(ConfigError::Invalid {
             what,
             detail: format!(

@@ -216,16 +216,28 @@ impl Comm {
         weight: f64,
         steps: u64,
     ) -> Result<Exchanged, Error> {
-        let run = CollectiveRun {
+        let call = self.start_run(kind, seq, schedule, data, weight, steps);
+        self.exchanged(call).await
+    }
+
+    /// [`Comm::run`] without waiting for it.
+    fn start_run(
+        &mut self,
+        kind: Kind,
+        seq: u64,
+        schedule: Schedule,
+        data: Payload,
+        weight: f64,
+        steps: u64,
+    ) -> Submitted {
+        self.submit(Request::Run(CollectiveRun {
             kind,
             seq,
             schedule,
             data,
             weight,
             steps,
-        };
-        let call = self.submit(Request::Run(run));
-        self.exchanged(call).await
+        }))
     }
 
     /// Blocking sum over all ranks. Every rank must call it the same number of times.
@@ -280,15 +292,7 @@ impl Comm {
                 .with_reduction(op)
         };
         // A collective of the job, not of training: no weight, no steps.
-        let run = CollectiveRun {
-            kind: Kind::Collective,
-            seq,
-            schedule,
-            data,
-            weight: 0.0,
-            steps: 0,
-        };
-        self.submit(Request::Run(run))
+        self.start_run(Kind::Collective, seq, schedule, data, 0.0, 0)
     }
 
     /// The result of a submitted run.
