@@ -41,8 +41,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model with WAGMA-SGD or a baseline (with no options: the image workload on the
-    /// built-in dataset, WAGMA-SGD, 8 in-process ranks).
+    /// Train a model with WAGMA-SGD or a baseline (with no options: the image workload,
+    /// WAGMA-SGD, 8 in-process ranks, on Fashion-MNIST where it is installed and the built-in
+    /// dataset otherwise).
     Train(Box<train::Args>),
     /// Start P local processes of a command over TCP (`wagma launch -n 4 -- wagma train
     /// --transport tcp ...`).

@@ -2,6 +2,10 @@
 //! baselines of `wagma bench collectives --transport mpi`.
 
 use std::process::{Command, Stdio};
+#[cfg(any(feature = "mpi", test))]
+use std::sync::mpsc;
+#[cfg(any(feature = "mpi", test))]
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use serde::de::DeserializeOwned;
@@ -52,7 +56,9 @@ pub fn run_and_collect<T: DeserializeOwned>(ranks: usize) -> anyhow::Result<T> {
 }
 
 /// Median seconds (slowest rank) of `MPI_Allreduce` of `n` f32 on the world communicator and
-/// on a communicator of the butterfly group of size `s`.
+/// on a communicator of the butterfly group of size `s`. A blocking MPI call cannot be given a
+/// deadline, so a [`Watchdog`] ends this rank, and with it the job, when one call takes longer
+/// than `timeout`.
 #[cfg(feature = "mpi")]
 pub fn mpi_allreduce_times(
     n: usize,
@@ -60,6 +66,7 @@ pub fn mpi_allreduce_times(
     warmup: usize,
     s: usize,
     rank: usize,
+    timeout: Duration,
 ) -> anyhow::Result<Vec<f64>> {
     use mpi::collective::SystemOperation;
     use mpi::topology::{Color, SimpleCommunicator};
@@ -69,19 +76,24 @@ pub fn mpi_allreduce_times(
     let world = SimpleCommunicator::world();
     let p = world.size() as usize;
     let group = Grouping::new(p, s, GroupingKind::Butterfly)?.group_of(rank, 0);
+    let split = "splitting the world communicator into groups";
+    let watchdog = Watchdog::start(rank, timeout, split.into(), end_job)?;
     let sub = world
         .split_by_color(Color::with_value(group[0] as i32))
         .context("splitting the world communicator")?;
     let send = vec![1.0f32; n];
     let mut recv = vec![0.0f32; n];
     let mut out = Vec::new();
-    for comm in [&world, &sub] {
+    for (comm, name) in [(&world, "world"), (&sub, "group")] {
         let mut times = Vec::with_capacity(reps);
         for rep in 0..warmup + reps {
+            watchdog.enter(format!("the barrier before MPI_Allreduce {rep} ({name})"));
             world.barrier();
+            watchdog.enter(format!("MPI_Allreduce {rep} on the {name} communicator"));
             let t0 = std::time::Instant::now();
             comm.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
             let dt = t0.elapsed().as_secs_f64();
+            watchdog.enter(format!("the slowest time of MPI_Allreduce {rep} ({name})"));
             let mut slowest = 0.0f64;
             world.all_reduce_into(&dt, &mut slowest, SystemOperation::max());
             if rep >= warmup {
@@ -91,4 +103,114 @@ pub fn mpi_allreduce_times(
         out.push(crate::bench::median(&mut times));
     }
     Ok(out)
+}
+
+/// Ends this rank when one step of its work takes longer than a timeout: for waits that cannot
+/// be given a deadline of their own, as a blocking MPI call. The launcher ends the job when a
+/// rank exits, so no rank waits for ever.
+#[cfg(any(feature = "mpi", test))]
+struct Watchdog {
+    steps: Option<mpsc::Sender<String>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[cfg(any(feature = "mpi", test))]
+impl Watchdog {
+    /// Starts watching `first_step`; `expire` receives the message that says which step of
+    /// `rank` ran out of time.
+    fn start(
+        rank: usize,
+        timeout: Duration,
+        first_step: String,
+        expire: impl FnOnce(String) + Send + 'static,
+    ) -> anyhow::Result<Watchdog> {
+        let (steps, entered) = mpsc::channel::<String>();
+        let thread = std::thread::Builder::new()
+            .name(format!("watchdog-{rank}"))
+            .spawn(move || {
+                let mut step = first_step;
+                loop {
+                    match entered.recv_timeout(timeout) {
+                        Ok(next) => step = next,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {
+                            return expire(format!(
+                                "rank {rank}: {step} took longer than {} s",
+                                timeout.as_secs_f64()
+                            ));
+                        }
+                    }
+                }
+            })
+            .context("starting the watchdog thread")?;
+        Ok(Watchdog {
+            steps: Some(steps),
+            thread: Some(thread),
+        })
+    }
+
+    /// Starts the clock of the next step, named in the message if it runs out.
+    fn enter(&self, step: String) {
+        if let Some(s) = &self.steps {
+            // A watchdog that has already expired has nothing left to watch.
+            let _ = s.send(step);
+        }
+    }
+}
+
+#[cfg(any(feature = "mpi", test))]
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.steps = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What a rank stuck in a blocking MPI call does when its watchdog expires: it says why and
+/// exits, and mpirun ends the other ranks.
+#[cfg(feature = "mpi")]
+fn end_job(message: String) {
+    eprintln!("error: {message}; ending this rank so that mpirun ends the job");
+    std::process::exit(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_watchdog_names_the_step_that_ran_out_of_time() {
+        let (tx, rx) = mpsc::channel();
+        let step = "MPI_Allreduce 7 on the world communicator";
+        let _w = Watchdog::start(3, Duration::from_millis(200), step.into(), move |m| {
+            let _ = tx.send(m);
+        })
+        .unwrap();
+        let message = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert_eq!(
+            message,
+            "rank 3: MPI_Allreduce 7 on the world communicator took longer than 0.2 s"
+        );
+    }
+
+    #[test]
+    fn a_watchdog_dropped_in_time_never_expires() {
+        let (tx, rx) = mpsc::channel::<String>();
+        // Far longer than the test: an expiry could only come from a wrong clock.
+        let w = Watchdog::start(0, Duration::from_secs(3600), "start".into(), move |m| {
+            let _ = tx.send(m);
+        })
+        .unwrap();
+        for rep in 0..100 {
+            w.enter(format!("step {rep}"));
+        }
+        drop(w);
+        // The thread has ended and dropped its sender without expiring.
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(60)),
+            Err(mpsc::RecvTimeoutError::Disconnected)
+        );
+    }
 }

@@ -206,8 +206,8 @@ pub struct Args {
     /// Write a timeline per rank (Chrome trace JSON, for Perfetto): FILE gets `.rank-N`.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Record each rank's local compute time per step in this file (for `wagma simulate
-    /// --trace`).
+    /// Record each rank's local compute time per step in this file (for `--trace` of `wagma
+    /// simulate run` and `wagma simulate scaling`).
     #[arg(long)]
     pub trace_compute: Option<PathBuf>,
     /// Elastic continuation: when a rank dies, the others go on without it (rank 0 must

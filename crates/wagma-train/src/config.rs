@@ -141,7 +141,7 @@ pub struct TrainConfig {
     #[serde(default)]
     pub trace: Option<PathBuf>,
     /// Record each rank's local compute time per step here (JSON lines: rank, step, seconds),
-    /// for `wagma simulate --trace`.
+    /// for `--trace` of `wagma simulate run` and `wagma simulate scaling`.
     #[serde(default)]
     pub trace_compute: Option<PathBuf>,
     /// Resume from this checkpoint (a checkpoint directory or one with a `LATEST` pointer).

@@ -831,12 +831,12 @@ fn print_table(r: &Report) {
 /// after our collectives in the same job.
 #[cfg(feature = "mpi")]
 fn mpi_baselines(rank: usize, args: &Args, s: usize) -> Result<Vec<f64>, wagma::Error> {
-    crate::mpirun::mpi_allreduce_times(args.elements, args.reps, args.warmup, s, rank).map_err(
-        |e| wagma::Error::Task {
+    let timeout = super::engine_config().timeout;
+    crate::mpirun::mpi_allreduce_times(args.elements, args.reps, args.warmup, s, rank, timeout)
+        .map_err(|e| wagma::Error::Task {
             rank,
             message: format!("{e:#}"),
-        },
-    )
+        })
 }
 
 #[cfg(not(feature = "mpi"))]
