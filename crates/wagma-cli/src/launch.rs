@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{Context, bail};
 use clap::Args as ClapArgs;
 
-use crate::local::{LocalJob, first_failure, summary};
+use crate::local::{Binding, LocalJob, first_failure, summary};
 
 /// Options of `wagma launch`.
 #[derive(ClapArgs, Debug)]
@@ -23,6 +23,12 @@ pub struct Args {
     /// (use with `wagma train --elastic`); the exit status is rank 0's.
     #[arg(long)]
     pub elastic: bool,
+    /// Where the ranks run: `auto` binds each to a core of its own when there are at least as
+    /// many usable cores as ranks (as mpirun does for two ranks or fewer) and leaves them
+    /// unbound otherwise; `core` binds rank r to the r-th usable core, round robin; `none`
+    /// never binds. Default: the `WAGMA_CPU_BIND` variable, else `auto`.
+    #[arg(long, value_enum)]
+    pub cpu_bind: Option<Binding>,
     /// The command each rank runs (`wagma` means this very binary).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     pub command: Vec<String>,
@@ -44,7 +50,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .context("installing a signal handler")?;
     }
-    let job = LocalJob::spawn(a.ranks, &program, rest, &[], false)?;
+    let binding = match a.cpu_bind {
+        Some(b) => b,
+        None => Binding::from_env()?,
+    };
+    let job = LocalJob::spawn(a.ranks, &program, rest, &[], false, binding)?;
     let limit = match a.timeout {
         Some(t) => Some(wagma::util::timeout_from_secs(t).with_context(|| {
             format!(

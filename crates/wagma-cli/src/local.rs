@@ -1,5 +1,6 @@
 //! Local multi-process jobs over TCP on loopback: start P copies of a command with the
-//! rendezvous environment, wait for them, name the first rank that failed.
+//! rendezvous environment (each bound to a core of its own where there are enough), wait for
+//! them, name the first rank that failed.
 
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,15 +42,103 @@ fn inherit_as(cmd: &mut Command, socket: &std::net::TcpListener, fd: i32) {
     }
 }
 
+/// The variable that sets the [`Binding`] of local jobs (`auto`, `core` or `none`).
+pub const BIND_ENV: &str = "WAGMA_CPU_BIND";
+
+/// Where the processes of a local job may run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Binding {
+    /// Each rank on a core of its own when there are at least as many usable cores as ranks,
+    /// unbound otherwise: Open MPI's `mpirun` does the same for two ranks or fewer, and leaves
+    /// an oversubscribed job unbound.
+    Auto,
+    /// Rank r on the r-th usable core, round robin when there are more ranks than cores.
+    Core,
+    /// No binding: the OS places every thread of every rank.
+    None,
+}
+
+impl Binding {
+    /// The binding [`BIND_ENV`] names, `Auto` when it is not set.
+    pub fn from_env() -> anyhow::Result<Binding> {
+        match std::env::var(BIND_ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(Binding::Auto),
+            Ok(v) => Binding::parse(&v),
+            Err(e) => Err(anyhow::Error::new(e).context(format!("reading {BIND_ENV}"))),
+        }
+    }
+
+    /// The binding a value of [`BIND_ENV`] names.
+    fn parse(v: &str) -> anyhow::Result<Binding> {
+        use clap::ValueEnum;
+        Binding::from_str(v.trim(), true)
+            .map_err(|_| anyhow::anyhow!("{BIND_ENV}={v:?} is not one of auto, core, none"))
+    }
+
+    /// The core of each of `ranks` ranks, from the cores this process may use (`None`: not
+    /// bound).
+    fn plan(self, ranks: usize, usable: &[usize]) -> Vec<Option<usize>> {
+        let bind = match self {
+            Binding::Auto => ranks <= usable.len(),
+            Binding::Core => !usable.is_empty(),
+            Binding::None => false,
+        };
+        (0..ranks)
+            .map(|r| bind.then(|| usable[r % usable.len()]))
+            .collect()
+    }
+}
+
+/// The cores this process may run on (its affinity mask), in ascending order; empty when the
+/// mask cannot be read.
+fn usable_cores() -> Vec<usize> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set; sched_getaffinity writes at most
+    // the size it is given, and CPU_ISSET reads within the set for indices below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// Binds the process that `cmd` starts, all its threads included, to `core`.
+fn bind_to(cmd: &mut Command, core: usize) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: an all-zero cpu_set_t is a valid empty set, and `core` is below CPU_SETSIZE (it
+    // came from `usable_cores`).
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        set
+    };
+    // SAFETY: between fork and exec the closure only calls sched_setaffinity(2), a system
+    // call, on the child itself; the set was built before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+}
+
 impl LocalJob {
     /// Starts `ranks` processes of `program args`, each with the TCP rendezvous environment
-    /// and `extra` variables; stdout is piped when `capture` is set, stderr is inherited.
+    /// and `extra` variables, placed on cores as `binding` says; stdout is piped when
+    /// `capture` is set, stderr is inherited.
     pub fn spawn(
         ranks: usize,
         program: &std::path::Path,
         args: &[String],
         extra: &[(&str, String)],
         capture: bool,
+        binding: Binding,
     ) -> anyhow::Result<LocalJob> {
         // A fresh job id and secret from the OS's random source for every job; they reach the
         // ranks through their environment only, never a command line.
@@ -62,8 +151,9 @@ impl LocalJob {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")
             .context("binding the rendezvous on loopback")?;
         let rendezvous = listener.local_addr()?.to_string();
+        let cores = binding.plan(ranks, &usable_cores());
         let mut children = Vec::with_capacity(ranks);
-        for rank in 0..ranks {
+        for (rank, core) in cores.into_iter().enumerate() {
             let mut cmd = Command::new(program);
             cmd.args(args)
                 .env(env::RANK, rank.to_string())
@@ -80,6 +170,9 @@ impl LocalJob {
             }
             for (k, v) in extra {
                 cmd.env(k, v);
+            }
+            if let Some(core) = core {
+                bind_to(&mut cmd, core);
             }
             if capture {
                 cmd.stdout(Stdio::piped());
@@ -228,5 +321,47 @@ fn terminate(c: &Child) {
         unsafe {
             libc::kill(pid, libc::SIGTERM);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_binds_one_rank_per_core_only_when_every_rank_has_one() {
+        assert_eq!(Binding::Auto.plan(2, &[0, 1]), [Some(0), Some(1)]);
+        // The cores this process may use, not the machine's first ones.
+        assert_eq!(Binding::Auto.plan(2, &[3, 5, 6]), [Some(3), Some(5)]);
+        assert_eq!(Binding::Auto.plan(3, &[0, 1]), [None, None, None]);
+        assert_eq!(Binding::Auto.plan(1, &[]), [None]);
+    }
+
+    #[test]
+    fn core_binds_round_robin_and_none_never_binds() {
+        assert_eq!(
+            Binding::Core.plan(5, &[0, 1]),
+            [Some(0), Some(1), Some(0), Some(1), Some(0)]
+        );
+        assert_eq!(Binding::Core.plan(2, &[]), [None, None]);
+        assert_eq!(Binding::None.plan(2, &[0, 1, 2, 3]), [None, None]);
+    }
+
+    #[test]
+    fn the_binding_variable_is_checked() {
+        assert_eq!(Binding::parse("none").unwrap(), Binding::None);
+        assert_eq!(Binding::parse(" Core ").unwrap(), Binding::Core);
+        let e = Binding::parse("socket").unwrap_err().to_string();
+        assert!(
+            e.contains("WAGMA_CPU_BIND=\"socket\" is not one of auto, core, none"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn this_process_may_use_some_core() {
+        let cores = usable_cores();
+        assert!(!cores.is_empty());
+        assert!(cores.windows(2).all(|w| w[0] < w[1]), "{cores:?}");
     }
 }

@@ -223,6 +223,65 @@ fn a_benchmark_started_by_a_launcher_joins_its_job() {
     assert_eq!(rows[0]["measured"]["ranks"], 3, "{v}");
 }
 
+/// The CPUs in a `Cpus_allowed_list` ("0-3,6").
+fn cpus_in(list: &str) -> usize {
+    list.split(',')
+        .map(|part| match part.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum()
+}
+
+#[test]
+fn launch_binds_each_rank_to_a_core_of_its_own() {
+    // Every rank's `Cpus_allowed_list`, sorted (which rank printed which does not matter).
+    let allowed = |bind: &str| -> Vec<String> {
+        let out = wagma()
+            .args([
+                "launch",
+                "-n",
+                "2",
+                "--timeout",
+                "120",
+                "--cpu-bind",
+                bind,
+                "--",
+            ])
+            .args(["sh", "-c", "grep Cpus_allowed_list: /proc/self/status"])
+            .output()
+            .unwrap();
+        ok(&out);
+        let mut lists: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once(':').map(|(_, v)| v.trim().to_string()))
+            .collect();
+        lists.sort();
+        lists
+    };
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let own = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let usable = cpus_in(&own);
+    assert_eq!(allowed("none"), [own.clone(), own.clone()]);
+    let core = allowed("core");
+    assert_eq!(core.len(), 2, "{core:?}");
+    for c in &core {
+        assert!(c.parse::<usize>().is_ok(), "not one core: {c}");
+    }
+    if usable >= 2 {
+        assert_ne!(core[0], core[1], "two ranks on one core: {core:?}");
+        assert_eq!(allowed("auto"), core);
+    } else {
+        assert_eq!(core[0], core[1]);
+        assert_eq!(allowed("auto"), [own.clone(), own]);
+    }
+}
+
 #[test]
 fn launch_runs_training_over_tcp() {
     let dir = tmp("launch");

@@ -225,7 +225,8 @@ fn run_rank<T: Serialize>(
 fn run_tcp_workers<T: DeserializeOwned + Send + 'static>(ranks: usize) -> anyhow::Result<T> {
     let exe = std::env::current_exe().context("locating the wagma binary")?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut job = LocalJob::spawn(ranks, &exe, &argv, &[(WORKER, "1".into())], true)?;
+    let binding = crate::local::Binding::from_env()?;
+    let mut job = LocalJob::spawn(ranks, &exe, &argv, &[(WORKER, "1".into())], true, binding)?;
     let out = job.children_mut()[0]
         .stdout
         .take()
