@@ -1,5 +1,5 @@
 //! Local multi-process jobs over TCP on loopback: start P copies of a command with the
-//! rendezvous environment (each bound to a core of its own where there are enough), wait for
+//! rendezvous environment (each bound to CPUs of its own where there are enough), wait for
 //! them, name the first rank that failed.
 
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -48,11 +48,12 @@ pub const BIND_ENV: &str = "WAGMA_CPU_BIND";
 /// Where the processes of a local job may run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Binding {
-    /// Each rank on a core of its own when there are at least as many usable cores as ranks,
-    /// unbound otherwise: Open MPI's `mpirun` does the same for two ranks or fewer, and leaves
-    /// an oversubscribed job unbound.
+    /// Each rank on CPUs of its own, an equal share of those this process may use, when there
+    /// are at least as many as ranks (two ranks on two CPUs: one each, as `mpirun` binds two
+    /// ranks); unbound otherwise, as `mpirun` leaves an oversubscribed job.
     Auto,
-    /// Rank r on the r-th usable core, round robin when there are more ranks than cores.
+    /// Rank r on one CPU, the r-th this process may use, round robin when there are more
+    /// ranks than CPUs.
     Core,
     /// No binding: the OS places every thread of every rank.
     None,
@@ -75,54 +76,79 @@ impl Binding {
             .map_err(|_| anyhow::anyhow!("{BIND_ENV}={v:?} is not one of auto, core, none"))
     }
 
-    /// The core of each of `ranks` ranks, from the cores this process may use (`None`: not
-    /// bound).
-    fn plan(self, ranks: usize, usable: &[usize]) -> Vec<Option<usize>> {
-        let bind = match self {
-            Binding::Auto => ranks <= usable.len(),
-            Binding::Core => !usable.is_empty(),
-            Binding::None => false,
-        };
-        (0..ranks)
-            .map(|r| bind.then(|| usable[r % usable.len()]))
-            .collect()
+    /// The CPUs of each of `ranks` ranks (`None`: unbound). `usable`: the CPUs this process
+    /// may run on (`None`: unknown); `busy`: how many it may keep busy at once (fewer than
+    /// `usable` under a CPU quota).
+    fn plan(
+        self,
+        ranks: usize,
+        usable: Option<&[usize]>,
+        busy: usize,
+    ) -> anyhow::Result<Vec<Option<Vec<usize>>>> {
+        let unbound = || vec![None; ranks];
+        Ok(match (self, usable) {
+            (Binding::None, _) => unbound(),
+            (Binding::Core, Some(cpus)) if !cpus.is_empty() => (0..ranks)
+                .map(|r| Some(vec![cpus[r % cpus.len()]]))
+                .collect(),
+            (Binding::Core, _) => bail!(
+                "--cpu-bind core: the CPUs this process may use cannot be read; use \
+                 --cpu-bind none"
+            ),
+            (Binding::Auto, Some(cpus)) if ranks > 0 && ranks <= cpus.len().min(busy) => {
+                let share = cpus.len() / ranks;
+                cpus.chunks(share)
+                    .take(ranks)
+                    .map(|c| Some(c.to_vec()))
+                    .collect()
+            }
+            (Binding::Auto, _) => unbound(),
+        })
     }
 }
 
-/// The cores this process may run on (its affinity mask), in ascending order; empty when the
-/// mask cannot be read.
-fn usable_cores() -> Vec<usize> {
+/// The CPUs this process may run on (its affinity mask), in ascending order; `None` when the
+/// mask cannot be read (as on a machine of more than 1,024 CPUs).
+fn usable_cpus() -> Option<Vec<usize>> {
     // SAFETY: an all-zero cpu_set_t is a valid empty set; sched_getaffinity writes at most
     // the size it is given, and CPU_ISSET reads within the set for indices below CPU_SETSIZE.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
+            return None;
         }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .collect()
+        Some(
+            (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect(),
+        )
     }
 }
 
-/// Binds the process that `cmd` starts, all its threads included, to `core`.
-fn bind_to(cmd: &mut Command, core: usize) {
+/// Binds the process that `cmd` starts, all its threads included, to `cpus` (from
+/// [`usable_cpus`]). A failure fails the start when `strict`, and leaves the process unbound
+/// otherwise (a CPU may have gone offline since it was read).
+fn bind_to(cmd: &mut Command, cpus: &[usize], strict: bool) {
     use std::os::unix::process::CommandExt;
-    // SAFETY: an all-zero cpu_set_t is a valid empty set, and `core` is below CPU_SETSIZE (it
-    // came from `usable_cores`).
+    // SAFETY: an all-zero cpu_set_t is a valid empty set, and every CPU is below CPU_SETSIZE
+    // (`usable_cpus` reads no higher).
     let set = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(core, &mut set);
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
         set
     };
     // SAFETY: between fork and exec the closure only calls sched_setaffinity(2), a system
     // call, on the child itself; the set was built before the fork.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0 {
-                Ok(())
-            } else {
+            let failed =
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0;
+            if failed && strict {
                 Err(std::io::Error::last_os_error())
+            } else {
+                Ok(())
             }
         });
     }
@@ -151,9 +177,10 @@ impl LocalJob {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")
             .context("binding the rendezvous on loopback")?;
         let rendezvous = listener.local_addr()?.to_string();
-        let cores = binding.plan(ranks, &usable_cores());
+        let busy = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let plan = binding.plan(ranks, usable_cpus().as_deref(), busy)?;
         let mut children = Vec::with_capacity(ranks);
-        for (rank, core) in cores.into_iter().enumerate() {
+        for (rank, cpus) in plan.into_iter().enumerate() {
             let mut cmd = Command::new(program);
             cmd.args(args)
                 .env(env::RANK, rank.to_string())
@@ -171,8 +198,8 @@ impl LocalJob {
             for (k, v) in extra {
                 cmd.env(k, v);
             }
-            if let Some(core) = core {
-                bind_to(&mut cmd, core);
+            if let Some(cpus) = &cpus {
+                bind_to(&mut cmd, cpus, binding == Binding::Core);
             }
             if capture {
                 cmd.stdout(Stdio::piped());
@@ -183,8 +210,9 @@ impl LocalJob {
                     for c in &mut children {
                         let _ = c.kill();
                     }
+                    let on = cpus.map_or(String::new(), |c| format!(" on CPUs {c:?}"));
                     return Err(anyhow::Error::new(e)
-                        .context(format!("starting rank {rank}: {}", program.display())));
+                        .context(format!("starting rank {rank}{on}: {}", program.display())));
                 }
             }
         }
@@ -328,23 +356,40 @@ fn terminate(c: &Child) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn auto_binds_one_rank_per_core_only_when_every_rank_has_one() {
-        assert_eq!(Binding::Auto.plan(2, &[0, 1]), [Some(0), Some(1)]);
-        // The cores this process may use, not the machine's first ones.
-        assert_eq!(Binding::Auto.plan(2, &[3, 5, 6]), [Some(3), Some(5)]);
-        assert_eq!(Binding::Auto.plan(3, &[0, 1]), [None, None, None]);
-        assert_eq!(Binding::Auto.plan(1, &[]), [None]);
+    fn plan(b: Binding, ranks: usize, usable: &[usize], busy: usize) -> Vec<Option<Vec<usize>>> {
+        b.plan(ranks, Some(usable), busy).unwrap()
     }
 
     #[test]
-    fn core_binds_round_robin_and_none_never_binds() {
+    fn auto_gives_each_rank_an_equal_share_only_when_every_rank_has_a_cpu() {
+        let one = |c: usize| Some(vec![c]);
+        assert_eq!(plan(Binding::Auto, 2, &[0, 1], 2), [one(0), one(1)]);
+        // The CPUs this process may use, not the machine's first ones; a share each.
         assert_eq!(
-            Binding::Core.plan(5, &[0, 1]),
-            [Some(0), Some(1), Some(0), Some(1), Some(0)]
+            plan(Binding::Auto, 2, &[3, 5, 6, 7, 9], 5),
+            [Some(vec![3, 5]), Some(vec![6, 7])]
         );
-        assert_eq!(Binding::Core.plan(2, &[]), [None, None]);
-        assert_eq!(Binding::None.plan(2, &[0, 1, 2, 3]), [None, None]);
+        assert_eq!(plan(Binding::Auto, 3, &[0, 1], 2), [None, None, None]);
+        // A quota of two CPUs' time over eight CPUs: four ranks would share two.
+        assert_eq!(
+            plan(Binding::Auto, 4, &[0, 1, 2, 3, 4, 5, 6, 7], 2),
+            vec![None; 4]
+        );
+        assert_eq!(Binding::Auto.plan(2, None, 8).unwrap(), [None, None]);
+        assert_eq!(plan(Binding::Auto, 0, &[0, 1], 2), []);
+    }
+
+    #[test]
+    fn core_binds_one_cpu_round_robin_and_none_never_binds() {
+        let one = |c: usize| Some(vec![c]);
+        assert_eq!(
+            plan(Binding::Core, 5, &[0, 1], 2),
+            [one(0), one(1), one(0), one(1), one(0)]
+        );
+        let e = Binding::Core.plan(2, None, 2).unwrap_err().to_string();
+        assert!(e.contains("cannot be read"), "{e}");
+        assert!(Binding::Core.plan(2, Some(&[]), 2).is_err());
+        assert_eq!(plan(Binding::None, 2, &[0, 1, 2, 3], 4), [None, None]);
     }
 
     #[test]
@@ -359,9 +404,9 @@ mod tests {
     }
 
     #[test]
-    fn this_process_may_use_some_core() {
-        let cores = usable_cores();
-        assert!(!cores.is_empty());
-        assert!(cores.windows(2).all(|w| w[0] < w[1]), "{cores:?}");
+    fn this_process_may_use_some_cpu() {
+        let cpus = usable_cpus().unwrap();
+        assert!(!cpus.is_empty());
+        assert!(cpus.windows(2).all(|w| w[0] < w[1]), "{cpus:?}");
     }
 }

@@ -233,8 +233,21 @@ fn cpus_in(list: &str) -> usize {
         .sum()
 }
 
+/// How many CPUs this process may run on (its affinity mask, online CPUs only).
+fn usable_cpus() -> usize {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set that sched_getaffinity fills.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+            0
+        );
+        libc::CPU_COUNT(&set) as usize
+    }
+}
+
 #[test]
-fn launch_binds_each_rank_to_a_core_of_its_own() {
+fn launch_binds_each_rank_to_cpus_of_its_own() {
     // Every rank's `Cpus_allowed_list`, sorted (which rank printed which does not matter).
     let allowed = |bind: &str| -> Vec<String> {
         let out = wagma()
@@ -266,19 +279,29 @@ fn launch_binds_each_rank_to_a_core_of_its_own() {
         .unwrap()
         .trim()
         .to_string();
-    let usable = cpus_in(&own);
+    let usable = usable_cpus();
     assert_eq!(allowed("none"), [own.clone(), own.clone()]);
     let core = allowed("core");
     assert_eq!(core.len(), 2, "{core:?}");
     for c in &core {
-        assert!(c.parse::<usize>().is_ok(), "not one core: {c}");
+        assert!(c.parse::<usize>().is_ok(), "not one CPU: {c}");
     }
     if usable >= 2 {
-        assert_ne!(core[0], core[1], "two ranks on one core: {core:?}");
-        assert_eq!(allowed("auto"), core);
+        assert_ne!(core[0], core[1], "two ranks on one CPU: {core:?}");
     } else {
         assert_eq!(core[0], core[1]);
-        assert_eq!(allowed("auto"), [own.clone(), own]);
+    }
+    // A CPU quota below two CPUs' time leaves the job unbound, as too few CPUs do.
+    let busy = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let auto = allowed("auto");
+    if usable.min(busy) >= 2 {
+        // Each rank an equal share of the CPUs, not the same share.
+        assert_ne!(auto[0], auto[1], "{auto:?}");
+        for a in &auto {
+            assert_eq!(cpus_in(a), usable / 2, "{auto:?} of {own}");
+        }
+    } else {
+        assert_eq!(auto, [own.clone(), own]);
     }
 }
 

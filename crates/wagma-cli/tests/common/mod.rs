@@ -16,7 +16,10 @@ pub fn tmp(name: &str) -> PathBuf {
 
 /// The `wagma` binary under test.
 pub fn wagma() -> std::process::Command {
-    std::process::Command::new(env!("CARGO_BIN_EXE_wagma"))
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_wagma"));
+    // Jobs of tests that run at once would all put their rank 0 on the same CPU.
+    cmd.env("WAGMA_CPU_BIND", "none");
+    cmd
 }
 
 /// `wagma launch -n N -- wagma train` over TCP on the built-in dataset, without a progress bar;
