@@ -23,11 +23,11 @@ pub struct Args {
     /// (use with `wagma train --elastic`); the exit status is rank 0's.
     #[arg(long)]
     pub elastic: bool,
-    /// Where the ranks run: `auto` gives each an equal share of the CPUs this process may use
-    /// when there are at least as many as ranks (two ranks on two CPUs: one each, as mpirun
-    /// binds two ranks) and leaves them unbound otherwise; `core` binds rank r to one CPU, the
-    /// r-th, round robin; `none` never binds. Default: the `WAGMA_CPU_BIND` variable, else
-    /// `auto`.
+    /// Where the ranks run: `auto` gives each an equal share of the physical cores this
+    /// process may use (with their hyperthreads) when there are at least as many as ranks (two
+    /// ranks on two cores: one each, as mpirun binds two ranks) and leaves them unbound
+    /// otherwise; `core` binds rank r to one CPU, distinct cores first, round robin; `none`
+    /// never binds. Default: the `WAGMA_CPU_BIND` variable, else `auto`.
     #[arg(long, value_enum)]
     pub cpu_bind: Option<Binding>,
     /// The command each rank runs (`wagma` means this very binary).

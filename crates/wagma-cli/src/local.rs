@@ -48,12 +48,13 @@ pub const BIND_ENV: &str = "WAGMA_CPU_BIND";
 /// Where the processes of a local job may run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Binding {
-    /// Each rank on CPUs of its own, an equal share of those this process may use, when there
-    /// are at least as many as ranks (two ranks on two CPUs: one each, as `mpirun` binds two
-    /// ranks); unbound otherwise, as `mpirun` leaves an oversubscribed job.
+    /// Each rank on physical cores of its own (with their hyperthreads), an equal share of
+    /// those this process may use, when there are at least as many as ranks (two ranks on two
+    /// cores: one each, as `mpirun` binds two ranks); unbound otherwise, as `mpirun` leaves an
+    /// oversubscribed job.
     Auto,
-    /// Rank r on one CPU, the r-th this process may use, round robin when there are more
-    /// ranks than CPUs.
+    /// Rank r on one CPU: the first thread of each core in turn, then the second, round robin
+    /// when there are more ranks than CPUs.
     Core,
     /// No binding: the OS places every thread of every rank.
     None,
@@ -77,34 +78,83 @@ impl Binding {
     }
 
     /// The CPUs of each of `ranks` ranks (`None`: unbound). `usable`: the CPUs this process
-    /// may run on (`None`: unknown); `busy`: how many it may keep busy at once (fewer than
-    /// `usable` under a CPU quota).
+    /// may run on, grouped by physical core (`None`: unknown); `busy`: how many CPUs it may
+    /// keep busy at once (fewer under a CPU quota).
     fn plan(
         self,
         ranks: usize,
-        usable: Option<&[usize]>,
+        usable: Option<&[Vec<usize>]>,
         busy: usize,
     ) -> anyhow::Result<Vec<Option<Vec<usize>>>> {
         let unbound = || vec![None; ranks];
-        Ok(match (self, usable) {
-            (Binding::None, _) => unbound(),
-            (Binding::Core, Some(cpus)) if !cpus.is_empty() => (0..ranks)
-                .map(|r| Some(vec![cpus[r % cpus.len()]]))
-                .collect(),
-            (Binding::Core, _) => bail!(
-                "--cpu-bind core: the CPUs this process may use cannot be read; use \
-                 --cpu-bind none"
-            ),
-            (Binding::Auto, Some(cpus)) if ranks > 0 && ranks <= cpus.len().min(busy) => {
-                let share = cpus.len() / ranks;
-                cpus.chunks(share)
-                    .take(ranks)
-                    .map(|c| Some(c.to_vec()))
+        let cores = usable.unwrap_or_default();
+        Ok(match self {
+            Binding::None => unbound(),
+            Binding::Core => {
+                // The first thread of every core, then the second of every core, and so on:
+                // the first ranks get physical cores of their own.
+                let deepest = cores.iter().map(Vec::len).max().unwrap_or(0);
+                let order: Vec<usize> = (0..deepest)
+                    .flat_map(|t| cores.iter().filter_map(move |c| c.get(t).copied()))
+                    .collect();
+                if order.is_empty() {
+                    bail!(
+                        "--cpu-bind core: the CPUs this process may use cannot be read; use \
+                         --cpu-bind none"
+                    );
+                }
+                (0..ranks)
+                    .map(|r| Some(vec![order[r % order.len()]]))
                     .collect()
             }
-            (Binding::Auto, _) => unbound(),
+            Binding::Auto if ranks > 0 && ranks <= cores.len().min(busy) => {
+                // Whole cores: threads of one core would make two ranks share it.
+                let share = cores.len() / ranks;
+                cores
+                    .chunks(share)
+                    .take(ranks)
+                    .map(|c| Some(c.concat()))
+                    .collect()
+            }
+            Binding::Auto => unbound(),
         })
     }
+}
+
+/// The CPUs in a Linux CPU list (`0-3,8,10-11`); `None` if it is not one.
+fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().ok()?..=b.parse::<usize>().ok()?),
+            None => cpus.push(part.parse().ok()?),
+        }
+    }
+    Some(cpus)
+}
+
+/// `cpus` grouped by physical core (hyperthreads of one core together), cores in the order of
+/// their first CPU; `siblings(c)` lists the CPUs that share c's core (each CPU is a core of
+/// its own where that is unknown).
+fn by_core(cpus: &[usize], siblings: impl Fn(usize) -> Option<Vec<usize>>) -> Vec<Vec<usize>> {
+    let mut cores: Vec<(usize, Vec<usize>)> = Vec::new();
+    for &c in cpus {
+        let core = siblings(c).and_then(|s| s.into_iter().min()).unwrap_or(c);
+        match cores.iter_mut().find(|(id, _)| *id == core) {
+            Some((_, threads)) => threads.push(c),
+            None => cores.push((core, vec![c])),
+        }
+    }
+    cores.into_iter().map(|(_, threads)| threads).collect()
+}
+
+/// The CPUs this process may run on, grouped by physical core (from sysfs).
+fn usable_cores() -> Option<Vec<Vec<usize>>> {
+    let cpus = usable_cpus()?;
+    Some(by_core(&cpus, |c| {
+        let path = format!("/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list");
+        parse_cpu_list(&std::fs::read_to_string(path).ok()?)
+    }))
 }
 
 /// The CPUs this process may run on (its affinity mask), in ascending order; `None` when the
@@ -126,12 +176,12 @@ fn usable_cpus() -> Option<Vec<usize>> {
 }
 
 /// Binds the process that `cmd` starts, all its threads included, to `cpus` (from
-/// [`usable_cpus`]). A failure fails the start when `strict`, and leaves the process unbound
+/// [`usable_cores`]). A failure fails the start when `strict`, and leaves the process unbound
 /// otherwise (a CPU may have gone offline since it was read).
 fn bind_to(cmd: &mut Command, cpus: &[usize], strict: bool) {
     use std::os::unix::process::CommandExt;
     // SAFETY: an all-zero cpu_set_t is a valid empty set, and every CPU is below CPU_SETSIZE
-    // (`usable_cpus` reads no higher).
+    // (`usable_cpus`, which `usable_cores` groups, reads no higher).
     let set = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         for &c in cpus {
@@ -178,7 +228,7 @@ impl LocalJob {
             .context("binding the rendezvous on loopback")?;
         let rendezvous = listener.local_addr()?.to_string();
         let busy = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let plan = binding.plan(ranks, usable_cpus().as_deref(), busy)?;
+        let plan = binding.plan(ranks, usable_cores().as_deref(), busy)?;
         let mut children = Vec::with_capacity(ranks);
         for (rank, cpus) in plan.into_iter().enumerate() {
             let mut cmd = Command::new(program);
@@ -356,40 +406,95 @@ fn terminate(c: &Child) {
 mod tests {
     use super::*;
 
-    fn plan(b: Binding, ranks: usize, usable: &[usize], busy: usize) -> Vec<Option<Vec<usize>>> {
-        b.plan(ranks, Some(usable), busy).unwrap()
+    /// Every CPU a core of its own.
+    fn single(cpus: &[usize]) -> Vec<Vec<usize>> {
+        cpus.iter().map(|&c| vec![c]).collect()
+    }
+
+    fn plan(
+        b: Binding,
+        ranks: usize,
+        cores: &[Vec<usize>],
+        busy: usize,
+    ) -> Vec<Option<Vec<usize>>> {
+        b.plan(ranks, Some(cores), busy).unwrap()
     }
 
     #[test]
-    fn auto_gives_each_rank_an_equal_share_only_when_every_rank_has_a_cpu() {
+    fn auto_gives_each_rank_an_equal_share_only_when_every_rank_has_a_core() {
         let one = |c: usize| Some(vec![c]);
-        assert_eq!(plan(Binding::Auto, 2, &[0, 1], 2), [one(0), one(1)]);
+        assert_eq!(
+            plan(Binding::Auto, 2, &single(&[0, 1]), 2),
+            [one(0), one(1)]
+        );
         // The CPUs this process may use, not the machine's first ones; a share each.
         assert_eq!(
-            plan(Binding::Auto, 2, &[3, 5, 6, 7, 9], 5),
+            plan(Binding::Auto, 2, &single(&[3, 5, 6, 7, 9]), 5),
             [Some(vec![3, 5]), Some(vec![6, 7])]
         );
-        assert_eq!(plan(Binding::Auto, 3, &[0, 1], 2), [None, None, None]);
-        // A quota of two CPUs' time over eight CPUs: four ranks would share two.
         assert_eq!(
-            plan(Binding::Auto, 4, &[0, 1, 2, 3, 4, 5, 6, 7], 2),
-            vec![None; 4]
+            plan(Binding::Auto, 3, &single(&[0, 1]), 2),
+            [None, None, None]
         );
+        // A quota of two CPUs' time over eight CPUs: four ranks would share two.
+        let eight = single(&[0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(plan(Binding::Auto, 4, &eight, 2), vec![None; 4]);
         assert_eq!(Binding::Auto.plan(2, None, 8).unwrap(), [None, None]);
-        assert_eq!(plan(Binding::Auto, 0, &[0, 1], 2), []);
+        assert_eq!(plan(Binding::Auto, 0, &single(&[0, 1]), 2), []);
+    }
+
+    #[test]
+    fn auto_shares_whole_cores_and_counts_cores_not_threads() {
+        // Two cores of two threads, numbered as on x86 (siblings 0 and 2, 1 and 3).
+        let cores = vec![vec![0, 2], vec![1, 3]];
+        assert_eq!(
+            plan(Binding::Auto, 2, &cores, 4),
+            [Some(vec![0, 2]), Some(vec![1, 3])]
+        );
+        // Four ranks on two cores are oversubscribed, hyperthreads or not.
+        assert_eq!(plan(Binding::Auto, 4, &cores, 4), vec![None; 4]);
     }
 
     #[test]
     fn core_binds_one_cpu_round_robin_and_none_never_binds() {
         let one = |c: usize| Some(vec![c]);
         assert_eq!(
-            plan(Binding::Core, 5, &[0, 1], 2),
+            plan(Binding::Core, 5, &single(&[0, 1]), 2),
             [one(0), one(1), one(0), one(1), one(0)]
+        );
+        // Distinct cores first, then their second threads.
+        let cores = vec![vec![0, 2], vec![1, 3]];
+        assert_eq!(
+            plan(Binding::Core, 4, &cores, 4),
+            [one(0), one(1), one(2), one(3)]
         );
         let e = Binding::Core.plan(2, None, 2).unwrap_err().to_string();
         assert!(e.contains("cannot be read"), "{e}");
         assert!(Binding::Core.plan(2, Some(&[]), 2).is_err());
-        assert_eq!(plan(Binding::None, 2, &[0, 1, 2, 3], 4), [None, None]);
+        assert_eq!(
+            plan(Binding::None, 2, &single(&[0, 1, 2, 3]), 4),
+            [None, None]
+        );
+    }
+
+    #[test]
+    fn cpus_are_grouped_by_the_core_they_share() {
+        assert_eq!(
+            parse_cpu_list("0-2,8,10-11\n"),
+            Some(vec![0, 1, 2, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list("x"), None);
+        let siblings = |c: usize| {
+            Some(if c % 4 < 2 {
+                vec![c % 4, c % 4 + 2]
+            } else {
+                vec![c % 4 - 2, c % 4]
+            })
+        };
+        assert_eq!(by_core(&[0, 1, 2, 3], siblings), [vec![0, 2], vec![1, 3]]);
+        // A CPU outside the mask is left out; an unknown topology makes each CPU a core.
+        assert_eq!(by_core(&[0, 1, 3], siblings), [vec![0], vec![1, 3]]);
+        assert_eq!(by_core(&[4, 5], |_| None), [vec![4], vec![5]]);
     }
 
     #[test]
@@ -404,9 +509,14 @@ mod tests {
     }
 
     #[test]
-    fn this_process_may_use_some_cpu() {
-        let cpus = usable_cpus().unwrap();
-        assert!(!cpus.is_empty());
-        assert!(cpus.windows(2).all(|w| w[0] < w[1]), "{cpus:?}");
+    fn this_process_may_use_some_core() {
+        let cores = usable_cores().unwrap();
+        assert!(!cores.is_empty());
+        let mut cpus: Vec<usize> = cores.concat();
+        let n = cpus.len();
+        cpus.sort_unstable();
+        cpus.dedup();
+        assert_eq!(cpus.len(), n, "a CPU in two cores: {cores:?}");
+        assert_eq!(Some(cpus), usable_cpus());
     }
 }
