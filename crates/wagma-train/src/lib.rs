@@ -11,12 +11,14 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod distributed;
+mod elastic;
 pub mod error;
 mod evaluation;
 pub mod flat;
 pub mod metrics;
 pub mod nav;
 mod offload;
+mod outputs;
 pub mod trainer;
 pub mod workloads;
 

@@ -16,6 +16,7 @@ use wagma::{Comm, EngineConfig, Error, Payload, block_on};
 
 use crate::checkpoint::{self, Meta, RankState};
 use crate::config::{Execution, TrainConfig};
+use crate::elastic::{admit_joiners, rejoin};
 use crate::error::TrainError;
 pub use crate::evaluation::EvalRecord;
 use crate::evaluation::{
@@ -24,6 +25,8 @@ use crate::evaluation::{
 };
 use crate::flat::{FlatModel, Layout, train_device};
 use crate::offload::Pool;
+use crate::outputs::Outputs;
+pub use crate::outputs::{FINAL_MODEL, PROGRESS, ProgressLine, check_writable};
 use crate::workloads::Workload;
 use wagma_sim::compute::{Compute, Trace, TraceLine};
 use wagma_sim::{LogGp, LogGpNetwork};
@@ -149,120 +152,6 @@ fn append_trace(path: &Path, lines: &[TraceLine]) -> Result<(), TrainError> {
         .map_err(|e| TrainError::io(path, e))?;
     f.write_all(text.as_bytes())
         .map_err(|e| TrainError::io(path, e))
-}
-
-/// The consensus model at the end of a run, in the output directory.
-pub const FINAL_MODEL: &str = "final-model.bin";
-
-/// Files of the run, written by rank 0.
-struct Outputs {
-    dir: PathBuf,
-    metrics: Mutex<Option<std::fs::File>>,
-    progress: Mutex<Option<std::fs::File>>,
-}
-
-/// A line of `progress.jsonl`, written by rank 0 as it passes each evaluation iteration (the
-/// metrics themselves are computed after training, from snapshots).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ProgressLine {
-    /// Iterations rank 0 has done.
-    pub iteration: u64,
-    /// Rank 0's training clock, seconds.
-    pub clock_s: f64,
-    /// Rank 0's mean training loss since its previous line.
-    pub train_loss: Option<f64>,
-    /// Ranks rank 0 knows to be training.
-    pub ranks_alive: usize,
-}
-
-/// Rank 0's progress during training, in the output directory.
-pub const PROGRESS: &str = "progress.jsonl";
-
-impl Outputs {
-    fn metrics_partial(dir: &Path) -> PathBuf {
-        dir.join("metrics.jsonl.partial")
-    }
-
-    fn create(dir: &Path) -> Result<Outputs, TrainError> {
-        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
-        let p = Self::metrics_partial(dir);
-        let f = std::fs::File::create(&p).map_err(|e| TrainError::io(&p, e))?;
-        let q = dir.join(PROGRESS);
-        let g = std::fs::File::create(&q).map_err(|e| TrainError::io(&q, e))?;
-        Ok(Outputs {
-            dir: dir.to_path_buf(),
-            metrics: Mutex::new(Some(f)),
-            progress: Mutex::new(Some(g)),
-        })
-    }
-
-    fn progress(&self, line: &ProgressLine) -> Result<(), TrainError> {
-        self.append(&self.progress, line)
-    }
-
-    fn record(&self, r: &EvalRecord) -> Result<(), TrainError> {
-        self.append(&self.metrics, r)
-    }
-
-    /// Appends `value` as one JSON line to `file`, flushed (readers follow the file live).
-    fn append(
-        &self,
-        file: &Mutex<Option<std::fs::File>>,
-        value: &impl Serialize,
-    ) -> Result<(), TrainError> {
-        let mut g = file.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = g.as_mut() {
-            let text =
-                serde_json::to_string(value).map_err(|e| TrainError::Internal(e.to_string()))?;
-            writeln!(f, "{text}").map_err(|e| TrainError::io(&self.dir, e))?;
-            f.flush().map_err(|e| TrainError::io(&self.dir, e))?;
-        }
-        Ok(())
-    }
-
-    /// Writes the consensus model as `final-model.bin` (a checkpoint file of rank 0).
-    fn save_model(
-        &self,
-        iteration: u64,
-        (params, buffers): (Payload, Payload),
-    ) -> Result<(), TrainError> {
-        let state = RankState {
-            rank: 0,
-            iteration,
-            params: params.into_vec(),
-            buffers: buffers.into_vec(),
-            momentum: Vec::new(),
-            weight: None,
-            local: serde_json::Value::Null,
-        };
-        checkpoint::write_model(&self.dir.join(FINAL_MODEL), &state)
-    }
-
-    /// Renames the metrics into place and writes the summary (both atomically).
-    fn finish(&self, summary: &Summary) -> Result<(), TrainError> {
-        self.metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        let dst = self.dir.join("metrics.jsonl");
-        std::fs::rename(Self::metrics_partial(&self.dir), &dst)
-            .map_err(|e| TrainError::io(&dst, e))?;
-        let s = self.dir.join("summary.json");
-        let tmp = self.dir.join("summary.json.partial");
-        let json =
-            serde_json::to_vec_pretty(summary).map_err(|e| TrainError::Internal(e.to_string()))?;
-        std::fs::write(&tmp, json).map_err(|e| TrainError::io(&tmp, e))?;
-        std::fs::rename(&tmp, &s).map_err(|e| TrainError::io(&s, e))
-    }
-}
-
-/// Checks that `dir` can be written, without touching earlier outputs in it.
-pub fn check_writable(dir: &Path) -> Result<(), TrainError> {
-    std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
-    let probe = dir.join(format!(".wagma-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"").map_err(|e| TrainError::io(dir, e))?;
-    let _ = std::fs::remove_file(probe);
-    Ok(())
 }
 
 /// What every rank of a job reads.
@@ -899,106 +788,6 @@ async fn run_rank<'s, W: Workload>(
         samples,
         last_ckpt,
     })
-}
-
-/// Where a rejoining rank starts.
-struct Rejoined {
-    params: Vec<f32>,
-    buffers: Vec<f32>,
-    resume: Resume,
-    samples: u64,
-    train_s: f64,
-    alive: usize,
-}
-
-/// A restarted rank: announces itself and waits (at most ten collective timeouts) to be
-/// admitted at the job's next global average, receiving the consensus state.
-async fn rejoin(
-    comm: &mut Comm,
-    init: &Initial,
-    timeout: Duration,
-) -> Result<Rejoined, TrainError> {
-    comm.announce_rejoin().await?;
-    tracing::info!(
-        rank = comm.rank(),
-        "asked to rejoin; waiting for the next global average"
-    );
-    let (state, info) = comm.await_welcome(timeout.saturating_mul(10)).await?;
-    let (np, nb) = (init.params.len(), init.buffers.len());
-    let state = state.into_vec();
-    let &[iteration, samples, train_s, alive] = info.as_slice() else {
-        return Err(TrainError::Peer(format!(
-            "the welcome carries {} values instead of 4",
-            info.len()
-        )));
-    };
-    if state.len() < np + nb {
-        return Err(TrainError::Peer(format!(
-            "the welcome carries {} values for a model of {}",
-            state.len(),
-            np + nb
-        )));
-    }
-    tracing::info!(rank = comm.rank(), iteration, "rejoined the job");
-    Ok(Rejoined {
-        params: state[..np].to_vec(),
-        buffers: state[np..np + nb].to_vec(),
-        resume: Resume {
-            iteration,
-            optimizer_state: state[np + nb..].to_vec(),
-            weight: None,
-        },
-        samples,
-        train_s: f64::from_bits(train_s),
-        alive: usize::try_from(alive).unwrap_or(usize::MAX),
-    })
-}
-
-/// Living ranks at a global average (elastic mode): agree on the restarted ranks to admit,
-/// admit them, and have the lowest living rank send each its starting state; returns the
-/// number of ranks training from now on when some were admitted.
-async fn admit_joiners(
-    worker: &mut Worker<'_>,
-    done: u64,
-    samples: u64,
-    train_s: f64,
-) -> Result<Option<usize>, TrainError> {
-    let comm = worker.comm();
-    let p = comm.size();
-    let mut asked = vec![0.0f32; p];
-    for r in comm.joining_ranks().await? {
-        asked[r] = 1.0;
-    }
-    // Every living rank must admit the same ranks: those that any of them heard from.
-    let asked = comm.allreduce(Payload::Data(asked)).await?;
-    let joiners: Vec<usize> = (0..p).filter(|&r| asked.as_slice()[r] > 0.0).collect();
-    if joiners.is_empty() {
-        return Ok(None);
-    }
-    let living = comm.living_ranks().await?;
-    let leader = living.first().copied();
-    let alive = living.len() + joiners.len();
-    comm.admit(&joiners).await?;
-    if leader == Some(comm.rank()) {
-        let mut state = worker.params().to_vec();
-        state.extend_from_slice(worker.buffers());
-        state.extend_from_slice(worker.optimizer_state());
-        let info = [done, samples, train_s.to_bits(), alive as u64];
-        for &r in &joiners {
-            let data = Payload::Data(state.clone());
-            worker.comm().welcome(r, data, &info).await?;
-        }
-    }
-    // A barrier, not `quiesce`: a joiner's clock started later than the others', so aligning
-    // clocks would stall it (and WAGMA has nothing in flight at a global average).
-    worker.comm().barrier().await?;
-    tracing::info!(
-        rank = worker.comm().rank(),
-        ?joiners,
-        iteration = done,
-        "admitted"
-    );
-    Ok(Some(alive))
 }
 
 /// Writes a checkpoint at `iteration` (see [`checkpoint`]). In an elastic job that has lost
