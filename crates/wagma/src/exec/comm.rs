@@ -216,28 +216,15 @@ impl Comm {
         weight: f64,
         steps: u64,
     ) -> Result<Exchanged, Error> {
-        let call = self.start_run(kind, seq, schedule, data, weight, steps);
-        self.exchanged(call).await
-    }
-
-    /// [`Comm::run`] without waiting for it.
-    fn start_run(
-        &mut self,
-        kind: Kind,
-        seq: u64,
-        schedule: Schedule,
-        data: Payload,
-        weight: f64,
-        steps: u64,
-    ) -> Submitted {
-        self.submit(Request::Run(CollectiveRun {
+        let call = self.submit(Request::Run(CollectiveRun {
             kind,
             seq,
             schedule,
             data,
             weight,
             steps,
-        }))
+        }));
+        self.exchanged(call).await
     }
 
     /// Blocking sum over all ranks. Every rank must call it the same number of times.
@@ -291,8 +278,15 @@ impl Comm {
             self.allreduce_schedule(&members, data.len(), &choice)
                 .with_reduction(op)
         };
-        // A collective of the job, not of training: no weight, no steps.
-        self.start_run(Kind::Collective, seq, schedule, data, 0.0, 0)
+        self.submit(Request::Run(CollectiveRun {
+            kind: Kind::Collective,
+            seq,
+            schedule,
+            data,
+            // A collective of the job, not of training: no weight, no steps.
+            weight: 0.0,
+            steps: 0,
+        }))
     }
 
     /// The result of a submitted run.
