@@ -26,6 +26,7 @@ pub mod schedule;
 pub mod topology;
 pub mod trace;
 pub mod transport;
+pub(crate) mod uncached;
 pub mod util;
 
 /// A rank id, `0..P`.

@@ -5,6 +5,8 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+use crate::uncached;
+
 /// Recycles large buffers. A fresh 64 MiB allocation is mapped from the OS and touched page by
 /// page (page faults cost more than the copy itself); collectives allocate and drop buffers of
 /// the same sizes over and over, so keeping a few lets every round after the first reuse
@@ -304,7 +306,11 @@ impl Payload {
             return Payload::Size(a.len());
         }
         let mut v = pool::take(a.len());
-        op.extend(&mut v, a.as_slice(), b.as_slice());
+        if a.len() >= uncached::FROM {
+            op.extend_uncached(&mut v, a.as_slice(), b.as_slice());
+        } else {
+            op.extend(&mut v, a.as_slice(), b.as_slice());
+        }
         Payload::Data(v)
     }
 
@@ -394,6 +400,15 @@ impl Reduce {
         match self {
             Reduce::Sum => out.extend(pairs.map(|(x, y)| x + y)),
             Reduce::Max => out.extend(pairs.map(|(&x, &y)| Reduce::max(x, y))),
+        }
+    }
+
+    /// [`Reduce::extend`] with stores that bypass the caches: the same values, for a result
+    /// too large to be read from cache later (see [`crate::uncached`]).
+    pub(crate) fn extend_uncached(self, out: &mut Vec<f32>, a: &[f32], b: &[f32]) {
+        match self {
+            Reduce::Sum => uncached::extend_zip(out, a, b, |x, y| x + y),
+            Reduce::Max => uncached::extend_zip(out, a, b, Reduce::max),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use crate::Rank;
 use crate::payload::{Payload, Reduce, pool};
+use crate::uncached;
 
 /// Segments that tile `0..len` in order.
 pub(super) struct WorkBuf {
@@ -67,7 +68,11 @@ impl WorkBuf {
                 None => pool::take(len),
             };
             for p in segs {
-                v.extend_from_slice(p.as_slice());
+                if len >= uncached::FROM {
+                    uncached::extend_copy(&mut v, p.as_slice());
+                } else {
+                    v.extend_from_slice(p.as_slice());
+                }
                 p.recycle();
             }
             Payload::Data(v)
@@ -210,6 +215,20 @@ mod tests {
         b.reduce(0, 0..6, &mut others, Reduce::Sum);
         assert!(others.is_empty());
         assert_eq!(b.finish(), Payload::Size(6));
+    }
+
+    #[test]
+    fn a_large_buffer_gathered_in_pieces_joins_to_the_same_values() {
+        // Joined around the caches (see `uncached`), from pieces that leave the copy at
+        // every alignment.
+        let len = uncached::FROM + 7;
+        let all: Vec<f32> = (0..len).map(|i| (i % 4099) as f32 - 0.5).collect();
+        let mut b = WorkBuf::new(Payload::Data(vec![0.0; len]));
+        let cuts = [0, 1, 6, len / 2 + 3, len];
+        for w in cuts.windows(2) {
+            b.replace(w[0]..w[1], Payload::Data(all[w[0]..w[1]].to_vec()));
+        }
+        assert!(b.finish().as_slice() == &all[..]);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use super::{Contribution, Delivery, Envelope, Fold, Kind, Meta, Tag};
 use crate::Rank;
 use crate::error::TransportError;
 use crate::payload::{Payload, Reduce, pool};
+use crate::uncached;
 
 /// Bytes of the fixed part of a body.
 pub const HEADER_BYTES: usize = 1 + 1 + 2 + 4 + 8 + 8 + 8 + 8 + 4;
@@ -229,10 +230,15 @@ fn read_folded<R: Read>(
     // Reserved, not touched: a peer that announces much and sends little makes this reader
     // write no more than it sent.
     let mut out = pool::take(own.len());
+    let large = own.len() >= uncached::FROM;
     for mine in own.chunks(FOLD_PIECE) {
         let piece = &mut scratch[..mine.len()];
         exact(r, bytemuck::cast_slice_mut(piece))?;
-        op.extend(&mut out, mine, piece);
+        if large {
+            op.extend_uncached(&mut out, mine, piece);
+        } else {
+            op.extend(&mut out, mine, piece);
+        }
     }
     Ok(out)
 }
@@ -344,6 +350,33 @@ mod tests {
                 .into(),
             },
             data,
+        }
+    }
+
+    #[test]
+    fn a_result_written_around_the_caches_has_the_same_bits() {
+        let n = uncached::FROM + 5;
+        let theirs: Vec<f32> = (0..n).map(|i| (i % 1013) as f32 * -0.25).collect();
+        let mut mine = Payload::Data((0..n).map(|i| (i % 7) as f32 * 1e-3).collect());
+        let own = mine.view(0..n);
+        let mut bytes = Vec::new();
+        write_frame(&mut bytes, &sample(Payload::Data(theirs.clone())), u64::MAX).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for op in [Reduce::Sum, Reduce::Max] {
+            let weak = own.downgrade();
+            let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut Vec::new(), |_, t| {
+                Some(Fold {
+                    tag: *t,
+                    own: weak?,
+                    op,
+                })
+            })
+            .unwrap()
+            .unwrap();
+            assert!(got.folded);
+            let mut want = Vec::new();
+            op.extend(&mut want, own.as_slice(), &theirs);
+            assert!(bits(got.env.data.as_slice()) == bits(&want), "{op:?}");
         }
     }
 
