@@ -306,11 +306,7 @@ impl Payload {
             return Payload::Size(a.len());
         }
         let mut v = pool::take(a.len());
-        if a.len() >= uncached::FROM {
-            op.extend_uncached(&mut v, a.as_slice(), b.as_slice());
-        } else {
-            op.extend(&mut v, a.as_slice(), b.as_slice());
-        }
+        op.extend_for(&mut v, a.as_slice(), b.as_slice(), a.len());
         Payload::Data(v)
     }
 
@@ -396,19 +392,15 @@ impl Reduce {
 
     /// Appends `a[i] op b[i]` to `out` for every `i` of the shorter of the two.
     pub fn extend(self, out: &mut Vec<f32>, a: &[f32], b: &[f32]) {
-        let pairs = a.iter().zip(b);
-        match self {
-            Reduce::Sum => out.extend(pairs.map(|(x, y)| x + y)),
-            Reduce::Max => out.extend(pairs.map(|(&x, &y)| Reduce::max(x, y))),
-        }
+        self.extend_for(out, a, b, 0);
     }
 
-    /// [`Reduce::extend`] with stores that bypass the caches: the same values, for a result
-    /// too large to be read from cache later (see [`crate::uncached`]).
-    pub(crate) fn extend_uncached(self, out: &mut Vec<f32>, a: &[f32], b: &[f32]) {
+    /// [`Reduce::extend`] for a result that will hold `whole` elements: a large one is
+    /// written around the caches (see [`crate::uncached`]), the same values.
+    pub(crate) fn extend_for(self, out: &mut Vec<f32>, a: &[f32], b: &[f32], whole: usize) {
         match self {
-            Reduce::Sum => uncached::extend_zip(out, a, b, |x, y| x + y),
-            Reduce::Max => uncached::extend_zip(out, a, b, Reduce::max),
+            Reduce::Sum => uncached::extend_zip(out, a, b, whole, |x, y| x + y),
+            Reduce::Max => uncached::extend_zip(out, a, b, whole, Reduce::max),
         }
     }
 }

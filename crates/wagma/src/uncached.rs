@@ -11,10 +11,32 @@
 /// written around the caches, as the next reader found less of them in cache.
 pub(crate) const FROM: usize = 1 << 23;
 
-/// Appends `src` to `out` with stores that bypass the caches, as [`extend_zip`].
-pub(crate) fn extend_copy(out: &mut Vec<f32>, src: &[f32]) {
-    // The second operand is the first again: read from the line just loaded, and unused.
-    extend_zip(out, src, src, |x, _| x);
+/// Appends `f(a[i], b[i])` to `out` for every `i` of the shorter of the two, for a result
+/// that will hold `whole` elements: from [`FROM`] on, with stores that bypass the caches where
+/// the processor has them ([`streamed`]); the usual way below. The values are the same either
+/// way.
+pub(crate) fn extend_zip(
+    out: &mut Vec<f32>,
+    a: &[f32],
+    b: &[f32],
+    whole: usize,
+    f: impl Fn(f32, f32) -> f32,
+) {
+    if whole >= FROM {
+        streamed(out, a, b, f);
+    } else {
+        out.extend(a.iter().zip(b).map(|(&x, &y)| f(x, y)));
+    }
+}
+
+/// Appends `src` to `out`, a result that will hold `whole` elements, as [`extend_zip`] does.
+pub(crate) fn extend_copy(out: &mut Vec<f32>, src: &[f32], whole: usize) {
+    if whole >= FROM {
+        // The second operand is the first again: read from the line just loaded, and unused.
+        streamed(out, src, src, |x, _| x);
+    } else {
+        out.extend_from_slice(src);
+    }
 }
 
 /// Elements written per group of streaming stores: 64 bytes, a cache line's worth.
@@ -22,13 +44,13 @@ pub(crate) fn extend_copy(out: &mut Vec<f32>, src: &[f32]) {
 const LINE: usize = 16;
 
 /// Appends `f(a[i], b[i])` to `out` for every `i` of the shorter of the two, with stores that
-/// bypass the caches where the processor has them. The values are those of
+/// bypass the caches. The values are those of
 /// `out.extend(a.iter().zip(b).map(..))`, bit for bit (NaN payloads aside, as for any sum):
 /// only how they reach memory differs. `f` must not panic.
 /// Once it returns, the stores are ordered before any later store of this thread, so a
 /// buffer handed on after it is seen whole.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn extend_zip(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
+fn streamed(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
     use std::arch::x86_64::{_mm_loadu_ps, _mm_sfence, _mm_stream_ps};
 
     let n = a.len().min(b.len());
@@ -71,7 +93,7 @@ pub(crate) fn extend_zip(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f3
 /// Appends `f(a[i], b[i])` to `out` for every `i` of the shorter of the two (no streaming
 /// stores on this architecture).
 #[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn extend_zip(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
+fn streamed(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
     out.extend(a.iter().zip(b).map(|(&x, &y)| f(x, y)));
 }
 
@@ -107,6 +129,15 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
+    /// `start` extended by `a op b` the usual way, and around the caches.
+    fn plain_and_streamed(op: Reduce, start: &[f32], a: &[f32], b: &[f32]) -> [Vec<f32>; 2] {
+        let mut plain = start.to_vec();
+        op.extend(&mut plain, a, b);
+        let mut streamed = start.to_vec();
+        op.extend_for(&mut streamed, a, b, FROM);
+        [plain, streamed]
+    }
+
     #[test]
     fn the_values_are_those_of_a_plain_extend_at_every_alignment_and_length() {
         for len in [0, 1, 3, 4, 15, 16, 17, 31, 64, 1000, 4099] {
@@ -115,10 +146,7 @@ mod tests {
                 let start = values(already, 3);
                 // A maximum picks one operand's bits, NaNs included; a sum of two NaNs may
                 // carry either payload, so the sum is compared on the other pairs only.
-                let mut plain = start.clone();
-                Reduce::Max.extend(&mut plain, &a, &b);
-                let mut streamed = start.clone();
-                Reduce::Max.extend_uncached(&mut streamed, &a, &b);
+                let [plain, streamed] = plain_and_streamed(Reduce::Max, &start, &a, &b);
                 assert_eq!(
                     bits(&streamed),
                     bits(&plain),
@@ -128,17 +156,14 @@ mod tests {
                     .iter()
                     .map(|x| if x.is_nan() { 1.5 } else { *x })
                     .collect();
-                let mut plain = start.clone();
-                Reduce::Sum.extend(&mut plain, &a, &b);
-                let mut streamed = start.clone();
-                Reduce::Sum.extend_uncached(&mut streamed, &a, &b);
+                let [plain, streamed] = plain_and_streamed(Reduce::Sum, &start, &a, &b);
                 assert_eq!(
                     bits(&streamed),
                     bits(&plain),
                     "sum of {len}, {already} before"
                 );
                 let mut copied = start.clone();
-                extend_copy(&mut copied, &b);
+                extend_copy(&mut copied, &b, FROM);
                 let mut want = start.clone();
                 want.extend_from_slice(&b);
                 assert_eq!(
@@ -169,15 +194,9 @@ mod tests {
                 b.push(y);
             }
         }
-        let mut plain = Vec::new();
-        Reduce::Max.extend(&mut plain, &a, &b);
-        let mut streamed = Vec::new();
-        Reduce::Max.extend_uncached(&mut streamed, &a, &b);
+        let [plain, streamed] = plain_and_streamed(Reduce::Max, &[], &a, &b);
         assert_eq!(bits(&streamed), bits(&plain));
-        let mut plain = Vec::new();
-        Reduce::Sum.extend(&mut plain, &a, &b);
-        let mut streamed = Vec::new();
-        Reduce::Sum.extend_uncached(&mut streamed, &a, &b);
+        let [plain, streamed] = plain_and_streamed(Reduce::Sum, &[], &a, &b);
         for (i, (s, p)) in streamed.iter().zip(&plain).enumerate() {
             let both_nan = a[i].is_nan() && b[i].is_nan();
             assert!(

@@ -68,11 +68,7 @@ impl WorkBuf {
                 None => pool::take(len),
             };
             for p in segs {
-                if len >= uncached::FROM {
-                    uncached::extend_copy(&mut v, p.as_slice());
-                } else {
-                    v.extend_from_slice(p.as_slice());
-                }
+                uncached::extend_copy(&mut v, p.as_slice(), len);
                 p.recycle();
             }
             Payload::Data(v)

@@ -21,7 +21,6 @@ use super::{Contribution, Delivery, Envelope, Fold, Kind, Meta, Tag};
 use crate::Rank;
 use crate::error::TransportError;
 use crate::payload::{Payload, Reduce, pool};
-use crate::uncached;
 
 /// Bytes of the fixed part of a body.
 pub const HEADER_BYTES: usize = 1 + 1 + 2 + 4 + 8 + 8 + 8 + 8 + 4;
@@ -230,15 +229,10 @@ fn read_folded<R: Read>(
     // Reserved, not touched: a peer that announces much and sends little makes this reader
     // write no more than it sent.
     let mut out = pool::take(own.len());
-    let large = own.len() >= uncached::FROM;
     for mine in own.chunks(FOLD_PIECE) {
         let piece = &mut scratch[..mine.len()];
         exact(r, bytemuck::cast_slice_mut(piece))?;
-        if large {
-            op.extend_uncached(&mut out, mine, piece);
-        } else {
-            op.extend(&mut out, mine, piece);
-        }
+        op.extend_for(&mut out, mine, piece, own.len());
     }
     Ok(out)
 }
@@ -355,7 +349,7 @@ mod tests {
 
     #[test]
     fn a_result_written_around_the_caches_has_the_same_bits() {
-        let n = uncached::FROM + 5;
+        let n = crate::uncached::FROM + 5;
         let theirs: Vec<f32> = (0..n).map(|i| (i % 1013) as f32 * -0.25).collect();
         let mut mine = Payload::Data((0..n).map(|i| (i % 7) as f32 * 1e-3).collect());
         let own = mine.view(0..n);
