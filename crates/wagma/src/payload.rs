@@ -36,6 +36,11 @@ pub mod pool {
         of_length(take_any(len), len)
     }
 
+    /// Like [`take_scratch`], with room for `room` elements (at least `len`).
+    pub fn take_scratch_with_room(len: usize, room: usize) -> Vec<f32> {
+        of_length(take_any(room.max(len)), len)
+    }
+
     /// Like [`take_scratch`], but only from a buffer the pool already holds: `None` when it
     /// holds none that fits, and nothing is allocated.
     pub fn take_recycled(len: usize) -> Option<Vec<f32>> {
@@ -93,6 +98,35 @@ pub mod pool {
         if pool.len() < MAX_BUFFERS && held + v.capacity() <= MAX_ELEMENTS {
             pool.push(v);
         }
+    }
+}
+
+/// Where a received part's values are laid out: at `range` of a buffer with room for `room`
+/// elements, the whole the part belongs to. Joining the parts of a buffer then extends (or
+/// fills in around) the part instead of copying it too. Only the layout differs; the values
+/// are the same.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    /// The part's range in the whole.
+    pub range: Range<usize>,
+    /// Elements of the whole.
+    pub room: usize,
+}
+
+impl Place {
+    /// A buffer of `range.end` elements with room for `room`, whose values are unspecified
+    /// (what a recycled buffer held, zeros beyond): the part is written at `range`.
+    pub(crate) fn buffer(&self) -> Vec<f32> {
+        pool::take_scratch_with_room(self.range.end, self.room)
+    }
+
+    /// The part, once `v` (from [`Place::buffer`]) holds its values at `range`.
+    pub(crate) fn payload(&self, mut v: Vec<f32>) -> Payload {
+        v.truncate(self.range.end);
+        if self.range.start == 0 {
+            return Payload::Data(v);
+        }
+        Payload::Shared(Arc::new(SharedBuffer(v)), self.range.clone())
     }
 }
 
@@ -253,6 +287,35 @@ impl Payload {
                 *self = Payload::Shared(arc, 0..len);
                 view
             }
+        }
+    }
+
+    /// Where these values start in the buffer behind them, and the room it has, when nothing
+    /// else holds it (see [`Payload::into_placed`]).
+    pub fn placed_room(&self) -> Option<(usize, usize)> {
+        match self {
+            Payload::Data(v) => Some((0, v.capacity())),
+            Payload::Shared(a, r) if Arc::strong_count(a) == 1 => Some((r.start, a.0.capacity())),
+            _ => None,
+        }
+    }
+
+    /// The buffer behind these values and where they start in it, when nothing else holds
+    /// it: owned values start at 0, a view at its offset (the buffer holds other values, as
+    /// a [`Place`] laid them out, before and after). The buffer ends where the values do.
+    /// `Err(self)` for a buffer held elsewhere too, or a virtual one.
+    pub fn into_placed(self) -> Result<(Vec<f32>, usize), Payload> {
+        match self {
+            Payload::Data(v) => Ok((v, 0)),
+            Payload::Shared(a, r) => match Arc::try_unwrap(a) {
+                Ok(b) => {
+                    let mut v = b.into_vec();
+                    v.truncate(r.end);
+                    Ok((v, r.start))
+                }
+                Err(a) => Err(Payload::Shared(a, r)),
+            },
+            Payload::Size(_) => Err(self),
         }
     }
 

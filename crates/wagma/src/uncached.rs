@@ -4,6 +4,8 @@
 //! in cache until it is read anyway. Non-temporal stores write whole lines without reading
 //! them first.
 
+use std::mem::MaybeUninit;
+
 /// Elements of a result from which it is written around the caches: 32 MiB, as large as a
 /// server processor's last-level cache (this machine's is 32 MiB), so that its operands, streamed
 /// through the caches while it is made, leave no room to read it back from them. Smaller
@@ -22,79 +24,97 @@ pub(crate) fn extend_zip(
     whole: usize,
     f: impl Fn(f32, f32) -> f32,
 ) {
-    if whole >= FROM {
-        streamed(out, a, b, f);
-    } else {
+    if whole < FROM {
         out.extend(a.iter().zip(b).map(|(&x, &y)| f(x, y)));
+        return;
     }
+    let n = a.len().min(b.len());
+    out.reserve(n);
+    let at = out.len();
+    streamed(&mut out.spare_capacity_mut()[..n], a, b, f);
+    // SAFETY: `streamed` wrote all `n` values past the old length, within the capacity
+    // reserved above.
+    unsafe { out.set_len(at + n) }
 }
 
 /// Appends `src` to `out`, a result that will hold `whole` elements, as [`extend_zip`] does.
 pub(crate) fn extend_copy(out: &mut Vec<f32>, src: &[f32], whole: usize) {
-    if whole >= FROM {
-        // The second operand is the first again: read from the line just loaded, and unused.
-        streamed(out, src, src, |x, _| x);
-    } else {
+    if whole < FROM {
         out.extend_from_slice(src);
+    } else {
+        // The second operand is the first again: read from the line just loaded, and unused.
+        extend_zip(out, src, src, whole, |x, _| x);
     }
+}
+
+/// Overwrites `dst` with `src` (as long as `dst`), part of a result of `whole` elements, as
+/// [`extend_zip`] does.
+pub(crate) fn copy_into(dst: &mut [f32], src: &[f32], whole: usize) {
+    let src = &src[..dst.len()];
+    if whole < FROM {
+        dst.copy_from_slice(src);
+        return;
+    }
+    // SAFETY: `f32` and `MaybeUninit<f32>` have the same layout, and only initialized
+    // values are written through the cast (every element of `dst`, by `streamed`).
+    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    streamed(dst, src, src, |x, _| x);
 }
 
 /// Elements written per group of streaming stores: 64 bytes, a cache line's worth.
 #[cfg(target_arch = "x86_64")]
 const LINE: usize = 16;
 
-/// Appends `f(a[i], b[i])` to `out` for every `i` of the shorter of the two, with stores that
-/// bypass the caches. The values are those of
-/// `out.extend(a.iter().zip(b).map(..))`, bit for bit (NaN payloads aside, as for any sum):
-/// only how they reach memory differs. `f` must not panic.
+/// Writes `f(a[i], b[i])` to every `dst[i]` (`a` and `b` at least as long as `dst`), with
+/// stores that bypass the caches. The values are those of a plain loop, bit for bit (NaN
+/// payloads aside, as for any sum): only how they reach memory differs. `f` must not panic.
 /// Once it returns, the stores are ordered before any later store of this thread, so a
 /// buffer handed on after it is seen whole.
 #[cfg(target_arch = "x86_64")]
-fn streamed(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
+fn streamed(dst: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
     use std::arch::x86_64::{_mm_loadu_ps, _mm_sfence, _mm_stream_ps};
 
-    let n = a.len().min(b.len());
+    let n = dst.len();
     let (a, b) = (&a[..n], &b[..n]);
-    out.reserve(n);
     // A streaming store needs a 16-byte aligned address: the first few values go the usual
-    // way (an `f32` vector is 4-byte aligned, so at most three of them).
-    let end = out.as_ptr().wrapping_add(out.len()) as usize;
-    let head = ((16 - end % 16) % 16 / 4).min(n);
-    out.extend(a[..head].iter().zip(&b[..head]).map(|(&x, &y)| f(x, y)));
+    // way (an `f32` slice is 4-byte aligned, so at most three of them).
+    let head = ((16 - dst.as_ptr() as usize % 16) % 16 / 4).min(n);
     let lines = (n - head) / LINE * LINE;
-    let (body_a, body_b) = (&a[head..head + lines], &b[head..head + lines]);
-    for (x, y) in body_a.chunks_exact(LINE).zip(body_b.chunks_exact(LINE)) {
+    let tail = head + lines;
+    for i in (0..head).chain(tail..n) {
+        dst[i].write(f(a[i], b[i]));
+    }
+    let body = dst[head..tail].chunks_exact_mut(LINE);
+    for ((out, x), y) in body
+        .zip(a[head..tail].chunks_exact(LINE))
+        .zip(b[head..tail].chunks_exact(LINE))
+    {
         let mut line = [0.0f32; LINE];
         for ((v, &x), &y) in line.iter_mut().zip(x).zip(y) {
             *v = f(x, y);
         }
-        let at = out.len();
-        // SAFETY: `reserve(n)` left room for `n` values past the old length and at most `n`
-        // are written past it, so `at + LINE` is within the capacity; `at` is 16-byte aligned (the
-        // head above, then whole lines), as `_mm_stream_ps` requires; `line` is read
-        // unaligned. SSE is part of every x86_64 processor. The length is raised only once
-        // the values are written.
+        // SAFETY: `out` is `LINE` elements of `dst`, 16-byte aligned (the head above, then
+        // whole lines), as `_mm_stream_ps` requires; `line` is read unaligned. SSE is part of
+        // every x86_64 processor.
         unsafe {
-            let p = out.as_mut_ptr().add(at);
+            let p = out.as_mut_ptr().cast::<f32>();
             debug_assert!((p as usize).is_multiple_of(16));
             for q in 0..LINE / 4 {
                 _mm_stream_ps(p.add(4 * q), _mm_loadu_ps(line.as_ptr().add(4 * q)));
             }
-            out.set_len(at + LINE);
         }
     }
-    let tail = head + lines;
-    out.extend(a[tail..].iter().zip(&b[tail..]).map(|(&x, &y)| f(x, y)));
     // SAFETY: SSE is part of every x86_64 processor. Streaming stores are weakly ordered:
     // without the fence another thread could be handed the buffer before all of them land.
     unsafe { _mm_sfence() }
 }
 
-/// Appends `f(a[i], b[i])` to `out` for every `i` of the shorter of the two (no streaming
-/// stores on this architecture).
+/// Writes `f(a[i], b[i])` to every `dst[i]` (no streaming stores on this architecture).
 #[cfg(not(target_arch = "x86_64"))]
-fn streamed(out: &mut Vec<f32>, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
-    out.extend(a.iter().zip(b).map(|(&x, &y)| f(x, y)));
+fn streamed(dst: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) {
+    for ((d, &x), &y) in dst.iter_mut().zip(a).zip(b) {
+        d.write(f(x, y));
+    }
 }
 
 #[cfg(test)]
@@ -171,6 +191,12 @@ mod tests {
                     bits(&want),
                     "copy of {len}, {already} before"
                 );
+                // Overwritten in place, from the same offsets.
+                let mut over = values(already + len + 2, 4);
+                copy_into(&mut over[already..already + len], &b, FROM);
+                let mut want = values(already + len + 2, 4);
+                want[already..already + len].copy_from_slice(&b);
+                assert_eq!(bits(&over), bits(&want), "overwrite of {len} at {already}");
             }
         }
     }

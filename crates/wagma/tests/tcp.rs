@@ -854,8 +854,32 @@ fn a_stalled_peer_delays_only_what_goes_to_it() {
 
 #[test]
 fn a_part_asked_for_is_folded_as_it_arrives_with_or_without_frame_tags() {
-    use wagma::payload::Reduce;
-    use wagma::transport::{Fold, Transport};
+    use wagma::payload::{Place, Reduce};
+    use wagma::transport::tcp::TcpTransport;
+    use wagma::transport::{Delivery, Fold, FoldInto, Transport};
+    /// `env` from rank 1 to rank 0, which asked `into` for it first (if any).
+    fn exchange(
+        (t0, rx0, t1): (
+            &mut TcpTransport,
+            &crossbeam_channel::Receiver<wagma::transport::Incoming>,
+            &mut TcpTransport,
+        ),
+        env: wagma::transport::Envelope,
+        into: Option<FoldInto>,
+    ) -> Delivery {
+        if let Some(into) = into {
+            t0.fold(1, Fold { tag: env.tag, into });
+        }
+        t1.send(0, env).unwrap();
+        let got = rx0
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a delivery")
+            .expect("a message");
+        // As the engine's executor does: it may hold a fold only while nothing from the peer
+        // waits in the inbox.
+        t0.taken(1);
+        got
+    }
     let len = (1 << 18) + 5;
     for integrity in [false, true] {
         let name = if integrity { "fold-tagged" } else { "fold" };
@@ -868,32 +892,32 @@ fn a_part_asked_for_is_folded_as_it_arrives_with_or_without_frame_tags() {
             env.data = Payload::Data(model(1, seq, len));
             let theirs = env.data.clone();
             // Asked for before the message is sent: the reader folds it.
-            let fold = Fold {
-                tag: env.tag,
-                own: own.downgrade().expect("a view is shared"),
-                op,
-            };
-            t0.fold(1, fold);
-            t1.send(0, env).unwrap();
-            let got = rx0
-                .recv_timeout(Duration::from_secs(30))
-                .expect("a delivery")
-                .expect("a message");
-            // As the engine's executor does: it may hold a fold only while nothing from
-            // the peer waits in the inbox.
-            t0.taken(1);
+            let own_part = own.downgrade().expect("a view is shared");
+            let into = FoldInto::Own { own: own_part, op };
+            let got = exchange((&mut t0, &rx0, &mut t1), env, Some(into));
             assert!(got.folded, "{name} {op:?}");
             let want = Payload::reduce_of(&own, &theirs, op);
             assert_eq!(got.env.data, want, "{name} {op:?}");
         }
         // Not asked for: it arrives as sent.
-        t1.send(0, note(1, 3)).unwrap();
-        let got = rx0
-            .recv_timeout(Duration::from_secs(30))
-            .expect("a delivery")
-            .expect("a message");
+        let got = exchange((&mut t0, &rx0, &mut t1), note(1, 3), None);
         assert!(!got.folded);
         assert_eq!(got.env.data, note(1, 3).data);
+        // Asked to be read into place: the same values, where the whole has them.
+        let mut env = note(1, 4);
+        env.data = Payload::Data(model(1, 4, len));
+        let theirs = env.data.clone();
+        let place = Place {
+            range: 3..3 + len,
+            room: len + 5,
+        };
+        let got = exchange((&mut t0, &rx0, &mut t1), env, Some(FoldInto::Place(place)));
+        assert!(!got.folded);
+        assert_eq!(got.env.data, theirs);
+        let (v, at) = got.env.data.into_placed().expect("held by none else");
+        assert_eq!((at, v.len()), (3, 3 + len));
+        assert!(v.capacity() >= len + 5);
+        assert_eq!(&v[3..], theirs.as_slice());
     }
 }
 

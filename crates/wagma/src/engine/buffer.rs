@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use crate::Rank;
-use crate::payload::{Payload, Reduce, pool};
+use crate::payload::{Payload, Place, Reduce, pool};
 use crate::uncached;
 
 /// Segments that tile `0..len` in order.
@@ -59,21 +59,51 @@ impl WorkBuf {
             Payload::Size(self.len)
         } else {
             let len = self.len;
-            let mut segs = self.segs.drain(..).map(|(_, p)| p).peekable();
-            // A first segment of our own with room for the whole is extended in place: only
-            // the rest is copied.
-            let room = |p: &Payload| matches!(p, Payload::Data(v) if v.capacity() >= len);
-            let mut v = match segs.next_if(room) {
-                Some(first) => first.into_vec(),
-                None => pool::take(len),
+            // A part whose values already lie at their place in a buffer with room for the
+            // whole (one of this rank's own at the start, or one read into place, see
+            // `WorkBuf::place`) is filled in around: only the others are copied. The largest
+            // such part, if another holder does not keep it shared.
+            let fits = |(r, p): &(Range<usize>, Payload)| {
+                p.placed_room()
+                    .is_some_and(|(at, room)| at == r.start && room >= len)
             };
-            for p in segs {
-                uncached::extend_copy(&mut v, p.as_slice(), len);
+            let base = (self.segs.iter().enumerate())
+                .filter(|(_, s)| fits(s))
+                .max_by_key(|(_, (r, _))| r.len())
+                .map(|(i, _)| i);
+            let mut kept = None;
+            if let Some(i) = base {
+                let (r, p) = self.segs.remove(i);
+                match p.into_placed() {
+                    Ok((v, _)) => kept = Some((r, v)),
+                    Err(p) => self.segs.insert(i, (r, p)),
+                }
+            }
+            let (at, mut v) = kept.unwrap_or_else(|| (0..0, pool::take(len)));
+            for (r, p) in self.segs.drain(..) {
+                if r.start < at.start {
+                    uncached::copy_into(&mut v[r], p.as_slice(), len);
+                } else {
+                    uncached::extend_copy(&mut v, p.as_slice(), len);
+                }
                 p.recycle();
             }
+            debug_assert_eq!(v.len(), len);
             Payload::Data(v)
         };
         self.segs.push((0..self.len, joined));
+    }
+
+    /// Where a received part that replaces `range` may be read into (see
+    /// [`crate::transport::FoldInto::Place`]): a buffer with room for the whole, when the part
+    /// is at least half of it, so that joining the parts copies only the rest. `None` for a
+    /// smaller part, which would hold a whole buffer's memory to spare less than its size.
+    pub fn place(&self, range: &Range<usize>) -> Option<Place> {
+        let part = range.len();
+        (!self.virtual_ && part < self.len && 2 * part >= self.len).then(|| Place {
+            range: range.clone(),
+            room: self.len,
+        })
     }
 
     /// This rank's part of `range`: the segment itself when it is exactly `range` (and
@@ -225,6 +255,36 @@ mod tests {
             b.replace(w[0]..w[1], Payload::Data(all[w[0]..w[1]].to_vec()));
         }
         assert!(b.finish().as_slice() == &all[..]);
+    }
+
+    #[test]
+    fn a_part_read_into_place_is_filled_in_around_instead_of_copied() {
+        for len in [1000, uncached::FROM + 7] {
+            let all: Vec<f32> = (0..len).map(|i| (i % 4099) as f32 - 0.5).collect();
+            // The part at the start, inside, at the end; held by the buffer alone or also
+            // elsewhere (then copied like the others).
+            for (start, end) in [(0, len / 2 + 1), (3, len / 2 + 5), (len / 2 - 1, len)] {
+                for shared in [false, true] {
+                    let mut b = WorkBuf::new(Payload::Data(vec![0.0; len]));
+                    let range = start..end;
+                    let place = b.place(&range).expect("at least half of the whole");
+                    assert_eq!(b.place(&(0..start.max(1))), None, "{start}");
+                    let mut v = place.buffer();
+                    v[range.clone()].copy_from_slice(&all[range.clone()]);
+                    let mut part = place.payload(v);
+                    let base = part.as_slice().as_ptr().wrapping_sub(start);
+                    let elsewhere = shared.then(|| part.view(0..end - start));
+                    b.replace(0..start, Payload::Data(all[..start].to_vec()));
+                    b.replace(range, part);
+                    b.replace(end..len, Payload::Data(all[end..].to_vec()));
+                    let got = b.finish();
+                    assert!(got.as_slice() == &all[..], "{len} {start} {shared}");
+                    let filled_in = std::ptr::eq(got.as_slice().as_ptr(), base);
+                    assert_eq!(filled_in, !shared, "{len} {start}");
+                    drop(elsewhere);
+                }
+            }
+        }
     }
 
     #[test]

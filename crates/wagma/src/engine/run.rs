@@ -16,7 +16,7 @@ use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
 use crate::schedule::{Combine, Schedule, Transfer};
 use crate::topology::subset_members;
-use crate::transport::{Contribution, Contributions, Envelope, Fold, Kind, Meta, Tag};
+use crate::transport::{Contribution, Contributions, Envelope, Fold, FoldInto, Kind, Meta, Tag};
 
 /// The ranks a schedule reduces over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -441,9 +441,38 @@ impl Running {
         };
         asks.push(FoldRequest::Ask {
             from,
-            fold: Fold { tag, own, op },
+            fold: Fold {
+                tag,
+                into: FoldInto::Own { own, op },
+            },
         });
         *fold = FoldState::Asked;
+    }
+
+    /// Asks the transport (through `asks`) to read the part `recv` of the phase just posted,
+    /// which replaces this rank's, into a buffer laid out for the whole, if the part is large
+    /// and a good share of the whole ([`WorkBuf::place`]). Not tracked: a placement that
+    /// catches another message only lays its values out differently.
+    #[cold]
+    fn ask_place(
+        buf: &WorkBuf,
+        from: Rank,
+        recv: &Transfer,
+        tag: Tag,
+        asks: &mut Vec<FoldRequest>,
+    ) {
+        if recv.range.len() < FOLD_MIN_ELEMENTS {
+            return;
+        }
+        if let Some(place) = buf.place(&recv.range) {
+            asks.push(FoldRequest::Ask {
+                from,
+                fold: Fold {
+                    tag,
+                    into: FoldInto::Place(place),
+                },
+            });
+        }
     }
 
     /// Checks `env` against this run. A contribution list equal to this rank's own is taken
@@ -587,10 +616,10 @@ impl Running {
                         }
                     }
                 }
-                // One peer's part combined with this rank's, not here yet: the transport may
-                // combine it as it arrives. (At most one per call: the phase then waits.)
-                if let (Some(asks), Combine::Reduce(op), [r]) =
-                    (asks.as_deref_mut(), phase.combine, &phase.recvs[..])
+                // One peer's part, not here yet: the transport may combine it with this
+                // rank's as it arrives, or read it into place. (At most one per call: the
+                // phase then waits.)
+                if let (Some(asks), [r]) = (asks.as_deref_mut(), &phase.recvs[..])
                     && self.got[0].is_none()
                     && !self.absent[0]
                 {
@@ -600,7 +629,12 @@ impl Running {
                         step: r.step,
                     };
                     let from = members.rank_at(r.peer);
-                    Self::ask_fold(&mut self.buf, &mut self.fold, from, r, tag, op, asks);
+                    match phase.combine {
+                        Combine::Reduce(op) => {
+                            Self::ask_fold(&mut self.buf, &mut self.fold, from, r, tag, op, asks);
+                        }
+                        Combine::Copy => Self::ask_place(&self.buf, from, r, tag, asks),
+                    }
                 }
             }
             if self.waiting > 0 {

@@ -22,6 +22,8 @@ struct Net {
     folded: usize,
     /// Folds withdrawn.
     unfolded: usize,
+    /// Messages delivered read into place.
+    placed: usize,
 }
 
 impl Net {
@@ -40,6 +42,7 @@ impl Net {
             folds: Vec::new(),
             folded: 0,
             unfolded: 0,
+            placed: 0,
         }
     }
 
@@ -57,6 +60,15 @@ impl Net {
         let requests: Vec<_> = self.engines[from].drain_fold_requests().collect();
         for request in requests {
             match request {
+                // A placement is never withdrawn: one asked too late is dropped at once.
+                FoldRequest::Ask {
+                    fold:
+                        Fold {
+                            into: crate::transport::FoldInto::Place(_),
+                            ..
+                        },
+                    ..
+                } if self.too_late => {}
                 FoldRequest::Ask { from: peer, fold } => self.folds.push((from, peer, fold)),
                 FoldRequest::Withdraw { from: peer, tag } => {
                     let asked =
@@ -92,10 +104,21 @@ impl Net {
             let mut out = Vec::new();
             if let Some(i) = asked {
                 let (_, _, fold) = self.folds.swap_remove(i);
-                let own = fold.own.upgrade().expect("the part waits for this message");
-                env.data = Payload::reduce_of(&own, &env.data, fold.op);
-                self.folded += 1;
-                self.engines[to].on_folded_message(Duration::ZERO, env, &mut out);
+                match fold.into {
+                    crate::transport::FoldInto::Own { own, op } => {
+                        let own = own.upgrade().expect("the part waits for this message");
+                        env.data = Payload::reduce_of(&own, &env.data, op);
+                        self.folded += 1;
+                        self.engines[to].on_folded_message(Duration::ZERO, env, &mut out);
+                    }
+                    crate::transport::FoldInto::Place(place) => {
+                        let mut v = place.buffer();
+                        v[place.range.clone()].copy_from_slice(env.data.as_slice());
+                        env.data = place.payload(v);
+                        self.placed += 1;
+                        self.engines[to].on_message(Duration::ZERO, env, &mut out);
+                    }
+                }
             } else {
                 self.engines[to].on_message(Duration::ZERO, env, &mut out);
             }
@@ -1210,14 +1233,22 @@ fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
                     other => panic!("unexpected {other:?}"),
                 })
                 .collect();
-            // Every fold asked for was used or withdrawn.
+            // Every fold asked for was used or withdrawn, every placement used.
             assert!(net.folds.is_empty(), "{} folds left", net.folds.len());
-            (sums, net.folded, net.unfolded)
+            (sums, net.folded, net.unfolded, net.placed)
         };
-        let (after, none, _) = run(false, false);
-        let (arriving, folded, withdrawn) = run(true, false);
-        let (late, not_folded, all_withdrawn) = run(true, true);
+        let (after, none, _, _) = run(false, false);
+        let (arriving, folded, withdrawn, placed) = run(true, false);
+        let (late, not_folded, all_withdrawn, _) = run(true, true);
         assert_eq!((none, not_folded, withdrawn), (0, 0, 0));
+        // The allgather's last half, read into place where a rank's phase asked in time;
+        // recursive doubling replaces no part.
+        let halves =
+            usize::from(algorithm == crate::schedule::AllreduceAlgorithm::ReduceScatterAllgather);
+        assert!(
+            (halves..=4 * halves).contains(&placed),
+            "{algorithm:?}: {placed} placed"
+        );
         assert!(
             all_withdrawn >= 4,
             "{algorithm:?}: {all_withdrawn} withdrawn"

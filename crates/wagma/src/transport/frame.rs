@@ -17,7 +17,7 @@
 
 use std::io::{Read, Write};
 
-use super::{Contribution, Delivery, Envelope, Fold, Kind, Meta, Tag};
+use super::{Contribution, Delivery, Envelope, Fold, FoldInto, Kind, Meta, Tag};
 use crate::Rank;
 use crate::error::TransportError;
 use crate::payload::{Payload, Reduce, pool};
@@ -106,7 +106,8 @@ pub fn read_frame<R: Read>(r: &mut R, max: u64) -> Result<Option<Envelope>, Tran
 /// payload is combined with that part piece by piece as it arrives (each piece is read into
 /// `scratch`, small enough to stay in cache, and combined from there into the result, so the
 /// received values never travel through memory on their own) and the delivery has
-/// [`Delivery::folded`] set. Otherwise the payload is read whole.
+/// [`Delivery::folded`] set. A [`FoldInto::Place`] as long as the payload has it read into
+/// place. Otherwise the payload is read whole.
 pub fn read_frame_folding<R: Read>(
     r: &mut R,
     max: u64,
@@ -191,14 +192,20 @@ pub fn read_frame_folding<R: Read>(
             )));
         }
         let count = payload_bytes / 4;
-        let own = fold(from, &tag)
-            .filter(|f| f.own.len() == count)
-            .and_then(|f| Some((f.own.upgrade()?, f.op)));
-        if let Some((own, op)) = own {
-            folded = true;
-            Payload::Data(read_folded(r, own.as_slice(), op, scratch)?)
-        } else {
-            Payload::Data(read_values(r, count)?)
+        match fold(from, &tag).map(|f| f.into) {
+            Some(FoldInto::Own { own, op }) if own.len() == count => match own.upgrade() {
+                Some(own) => {
+                    folded = true;
+                    Payload::Data(read_folded(r, own.as_slice(), op, scratch)?)
+                }
+                None => Payload::Data(read_values(r, count)?),
+            },
+            Some(FoldInto::Place(place)) if place.range.len() == count => {
+                let mut v = place.buffer();
+                exact(r, bytemuck::cast_slice_mut(&mut v[place.range.clone()]))?;
+                place.payload(v)
+            }
+            _ => Payload::Data(read_values(r, count)?),
         }
     };
     let env = Envelope {
@@ -361,8 +368,7 @@ mod tests {
             let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut Vec::new(), |_, t| {
                 Some(Fold {
                     tag: *t,
-                    own: weak?,
-                    op,
+                    into: FoldInto::Own { own: weak?, op },
                 })
             })
             .unwrap()
@@ -390,8 +396,7 @@ mod tests {
                 assert_eq!((from, *t), (3, tag));
                 Some(Fold {
                     tag: other.unwrap_or(*t),
-                    own: own?,
-                    op,
+                    into: FoldInto::Own { own: own?, op },
                 })
             }
         };
@@ -411,8 +416,10 @@ mod tests {
         let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut scratch, |_, t: &Tag| {
             Some(Fold {
                 tag: *t,
-                own: short?,
-                op: Reduce::Sum,
+                into: FoldInto::Own {
+                    own: short?,
+                    op: Reduce::Sum,
+                },
             })
         })
         .unwrap()

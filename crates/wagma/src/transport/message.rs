@@ -7,7 +7,7 @@ use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::Rank;
-use crate::payload::{Payload, Reduce, WeakView};
+use crate::payload::{Payload, Place, Reduce, WeakView};
 
 /// The namespace of a message; each kind has its own sequence numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -203,21 +203,38 @@ pub struct Meta {
     pub contributions: Contributions,
 }
 
-/// A receiver's request that the payload of one expected message be combined with its own
-/// part while it arrives, piece by piece, instead of being received whole and combined after
-/// (see [`super::Transport::fold`]). A transport that does so delivers the message with
-/// [`Delivery::folded`] set and the combined values as its payload.
+/// A receiver's request about the payload of one expected message, made before it arrives
+/// (see [`super::Transport::fold`]): combine it with the receiver's own part piece by piece
+/// as it arrives, instead of receiving it whole and combining after, or read it into place
+/// in a buffer laid out for the whole it is a part of.
 #[derive(Debug, Clone)]
 pub struct Fold {
     /// The expected message's tag.
     pub tag: Tag,
-    /// The receiver's own part, as long as the expected payload. Held weakly: a request
-    /// whose message came before it (or never comes) keeps no buffer alive once the engine
-    /// is done with the part.
-    pub own: WeakView,
-    /// How the two combine: a sum or a maximum, the same bits in either order (NaN payloads
-    /// aside, which IEEE 754 leaves to the hardware).
-    pub op: Reduce,
+    /// What becomes of the payload.
+    pub into: FoldInto,
+}
+
+/// What a [`Fold`] makes of the payload it is for.
+#[derive(Debug, Clone)]
+pub enum FoldInto {
+    /// Combined with the receiver's own part as it arrives. A transport that does so
+    /// delivers the message with [`Delivery::folded`] set and the combined values as its
+    /// payload.
+    Own {
+        /// The receiver's own part, as long as the expected payload. Held weakly: a request
+        /// whose message came before it (or never comes) keeps no buffer alive once the
+        /// engine is done with the part.
+        own: WeakView,
+        /// How the two combine: a sum or a maximum, the same bits in either order (NaN
+        /// payloads aside, which IEEE 754 leaves to the hardware).
+        op: Reduce,
+    },
+    /// The payload takes the place of the receiver's part of a larger buffer: read into a
+    /// buffer laid out as [`Place`] says, so that joining the parts copies only the others.
+    /// Delivered with [`Delivery::folded`] unset (the values are the payload's), and harmless
+    /// if it catches another message: only where the values lie differs.
+    Place(Place),
 }
 
 /// A message as a transport delivers it to the rank's inbox.

@@ -19,7 +19,9 @@ use std::time::Duration;
 use crate::Rank;
 use crate::error::TransportError;
 
-pub use message::{Contribution, Contributions, Delivery, Envelope, Fold, Kind, Meta, Tag};
+pub use message::{
+    Contribution, Contributions, Delivery, Envelope, Fold, FoldInto, Kind, Meta, Tag,
+};
 
 /// The default largest frame a transport accepts (2 GiB: a 512 Mi-parameter model).
 pub const DEFAULT_MAX_FRAME: u64 = 1 << 31;

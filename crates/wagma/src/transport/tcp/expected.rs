@@ -89,7 +89,7 @@ impl Expected {
 mod tests {
     use super::*;
     use crate::payload::{Payload, Reduce};
-    use crate::transport::Kind;
+    use crate::transport::{FoldInto, Kind};
 
     fn tag(seq: u64) -> Tag {
         Tag {
@@ -112,8 +112,18 @@ mod tests {
         held.push(p);
         Fold {
             tag: tag(seq),
-            own,
-            op: Reduce::Sum,
+            into: FoldInto::Own {
+                own,
+                op: Reduce::Sum,
+            },
+        }
+    }
+
+    /// The part a fold combines with, if it is one and the part is still held.
+    fn own(f: Fold) -> Option<Payload> {
+        match f.into {
+            FoldInto::Own { own, .. } => own.upgrade(),
+            FoldInto::Place(_) => None,
         }
     }
 
@@ -127,7 +137,7 @@ mod tests {
         // The two oldest were pushed out.
         assert!(read(&e, 1, 0).is_none());
         assert!(read(&e, 1, 1).is_none());
-        let got = read(&e, 1, 5).and_then(|f| f.own.upgrade());
+        let got = read(&e, 1, 5).and_then(own);
         assert_eq!(got, Some(Payload::Data(vec![5.0])));
         assert!(read(&e, 1, 5).is_none());
         // Withdrawn, or another peer's, or a peer out of range: none.
@@ -141,10 +151,7 @@ mod tests {
         // A fold keeps no buffer alive: once its holder is gone, it reads nothing.
         e.ask(0, fold(20, &mut held), || 0);
         held.clear();
-        assert!(
-            e.reading(0, &tag(20))
-                .is_some_and(|f| f.own.upgrade().is_none())
-        );
+        assert!(e.reading(0, &tag(20)).is_some_and(|f| own(f).is_none()));
     }
 
     #[test]
