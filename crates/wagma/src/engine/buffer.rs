@@ -31,6 +31,11 @@ impl WorkBuf {
         self.len
     }
 
+    /// Whether the buffer stands for values it does not hold (see [`WorkBuf::new`]).
+    pub fn is_virtual(&self) -> bool {
+        self.virtual_
+    }
+
     /// A read-only view of `range` for a send.
     pub fn view(&mut self, range: Range<usize>) -> Payload {
         if self.virtual_ {
@@ -96,11 +101,12 @@ impl WorkBuf {
 
     /// Where a received part that replaces `range` may be read into (see
     /// [`crate::transport::FoldInto::Place`]): a buffer with room for the whole, when the part
-    /// is at least half of it, so that joining the parts copies only the rest. `None` for a
+    /// is at least half of it (rounded down: either half of an odd length), so that joining
+    /// the parts copies only the rest. `None` for a
     /// smaller part, which would hold a whole buffer's memory to spare less than its size.
     pub fn place(&self, range: &Range<usize>) -> Option<Place> {
         let part = range.len();
-        (!self.virtual_ && part < self.len && 2 * part >= self.len).then(|| Place {
+        (!self.virtual_ && part < self.len && part >= self.len / 2).then(|| Place {
             range: range.clone(),
             room: self.len,
         })

@@ -269,6 +269,14 @@ pub enum FoldRequest {
         /// The expected message and how it combines.
         fold: Fold,
     },
+    /// A message from `from` tagged `tag` is for the phase after the one just started, which
+    /// will ask for it as [`FoldRequest::Ask`] does: the transport may hold it for that.
+    Expect {
+        /// The sender.
+        from: Rank,
+        /// The message's tag.
+        tag: Tag,
+    },
     /// The message of an earlier request arrived without it: drop the request.
     Withdraw {
         /// The sender.

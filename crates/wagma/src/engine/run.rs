@@ -636,6 +636,27 @@ impl Running {
                         Combine::Copy => Self::ask_place(&self.buf, from, r, tag, asks),
                     }
                 }
+                // The next phase's one part may come before that phase starts, from a peer
+                // a phase ahead: say now that it will be asked for.
+                if let (Some(asks), Some(next)) = (
+                    asks.as_deref_mut(),
+                    self.schedule.phases.get(self.phase + 1),
+                ) && let [r] = &next.recvs[..]
+                    && r.range.len() >= FOLD_MIN_ELEMENTS
+                    && !self.buf.is_virtual()
+                    && (matches!(next.combine, Combine::Reduce(_))
+                        || self.buf.place(&r.range).is_some())
+                    && !dead.contains(members.rank_at(r.peer))
+                {
+                    asks.push(FoldRequest::Expect {
+                        from: members.rank_at(r.peer),
+                        tag: Tag {
+                            kind: self.kind,
+                            seq: self.seq,
+                            step: r.step,
+                        },
+                    });
+                }
             }
             if self.waiting > 0 {
                 return Ok(false);

@@ -24,6 +24,8 @@ struct Net {
     unfolded: usize,
     /// Messages delivered read into place.
     placed: usize,
+    /// Folds said to come.
+    expected: usize,
 }
 
 impl Net {
@@ -43,6 +45,7 @@ impl Net {
             folded: 0,
             unfolded: 0,
             placed: 0,
+            expected: 0,
         }
     }
 
@@ -70,6 +73,7 @@ impl Net {
                     ..
                 } if self.too_late => {}
                 FoldRequest::Ask { from: peer, fold } => self.folds.push((from, peer, fold)),
+                FoldRequest::Expect { .. } => self.expected += 1,
                 FoldRequest::Withdraw { from: peer, tag } => {
                     let asked =
                         |(r, p, f): &(Rank, Rank, Fold)| (*r, *p, f.tag) == (from, peer, tag);
@@ -1235,16 +1239,20 @@ fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
                 .collect();
             // Every fold asked for was used or withdrawn, every placement used.
             assert!(net.folds.is_empty(), "{} folds left", net.folds.len());
-            (sums, net.folded, net.unfolded, net.placed)
+            (sums, net.folded, net.unfolded, net.placed, net.expected)
         };
-        let (after, none, _, _) = run(false, false);
-        let (arriving, folded, withdrawn, placed) = run(true, false);
-        let (late, not_folded, all_withdrawn, _) = run(true, true);
+        let (after, none, _, _, _) = run(false, false);
+        let (arriving, folded, withdrawn, placed, expected) = run(true, false);
+        let (late, not_folded, all_withdrawn, _, _) = run(true, true);
         assert_eq!((none, not_folded, withdrawn), (0, 0, 0));
         // The allgather's last half, read into place where a rank's phase asked in time;
         // recursive doubling replaces no part.
         let halves =
             usize::from(algorithm == crate::schedule::AllreduceAlgorithm::ReduceScatterAllgather);
+        // Every rank says, as a phase starts, that the next one's part will be asked for:
+        // recursive doubling's second step; reduce-scatter's second step and the
+        // allgather's last half.
+        assert_eq!(expected, 4 + 4 * halves, "{algorithm:?}");
         assert!(
             (halves..=4 * halves).contains(&placed),
             "{algorithm:?}: {placed} placed"

@@ -242,6 +242,11 @@ fn engine_loop(
                         transport.fold(from, fold);
                     }
                 }
+                FoldRequest::Expect { from, tag } => {
+                    if !unreachable.contains(from) {
+                        transport.expect_fold(from, tag);
+                    }
+                }
                 FoldRequest::Withdraw { from, tag } => transport.unfold(from, tag),
             }
         }

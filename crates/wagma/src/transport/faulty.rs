@@ -152,6 +152,10 @@ impl<T: Transport> Transport for FaultyTransport<T> {
         self.inner.fold(from, fold);
     }
 
+    fn expect_fold(&mut self, from: Rank, tag: super::Tag) {
+        self.inner.expect_fold(from, tag);
+    }
+
     fn unfold(&mut self, from: Rank, tag: super::Tag) {
         self.inner.unfold(from, tag);
     }

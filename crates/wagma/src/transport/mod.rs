@@ -96,6 +96,15 @@ pub trait Transport {
         let _ = (from, fold);
     }
 
+    /// The engine will ask to fold (or place) the message from `from` tagged `tag` once the
+    /// phase that takes it starts, which may be after the message arrives: its peer may be a
+    /// phase ahead. A transport that reads payloads out of a byte stream may then hold the
+    /// message briefly after its header, for the request to come, instead of receiving it
+    /// whole; the default does nothing.
+    fn expect_fold(&mut self, from: Rank, tag: Tag) {
+        let _ = (from, tag);
+    }
+
     /// The engine took the message from `from` tagged `tag` without a fold it asked for (the
     /// message came first): drop the request, so that it cannot catch a later message.
     fn unfold(&mut self, from: Rank, tag: Tag) {

@@ -373,6 +373,10 @@ impl Transport for TcpTransport {
         true
     }
 
+    fn expect_fold(&mut self, from: Rank, tag: super::Tag) {
+        self.expected.expect(from, tag);
+    }
+
     fn unfold(&mut self, from: Rank, tag: super::Tag) {
         self.expected.withdraw(from, &tag);
     }
