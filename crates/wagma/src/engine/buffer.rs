@@ -80,7 +80,10 @@ impl WorkBuf {
             if let Some(i) = base {
                 let (r, p) = self.segs.remove(i);
                 match p.into_placed() {
-                    Ok((v, _)) => kept = Some((r, v)),
+                    Ok((v, at)) => {
+                        debug_assert_eq!(at, r.start);
+                        kept = Some((r, v));
+                    }
                     Err(p) => self.segs.insert(i, (r, p)),
                 }
             }

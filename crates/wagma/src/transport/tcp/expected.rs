@@ -92,6 +92,8 @@ impl Expected {
             }
             return;
         }
+        // Asked for: it need not be said to come any more.
+        held.to_come.retain(|t| *t != fold.tag);
         push_bounded(&mut held.folds, fold);
         if waited_for {
             wake.notify_all();
@@ -112,10 +114,12 @@ impl Expected {
         let (mut held, wake) = self.held(peer)?;
         held.reading = true;
         let asked = |held: &Held| held.folds.iter().position(|f| f.tag == *tag);
-        if asked(&held).is_none()
-            && let Some(i) = held.to_come.iter().position(|t| t == tag)
-        {
+        // Said to come, this frame is the one: the word is used up either way.
+        let to_come = held.to_come.iter().position(|t| t == tag);
+        if let Some(i) = to_come {
             held.to_come.remove(i);
+        }
+        if asked(&held).is_none() && to_come.is_some() {
             held.waiting = Some(*tag);
             let until = Instant::now() + self.wait;
             while held.waiting == Some(*tag) && asked(&held).is_none() {
@@ -292,6 +296,15 @@ mod tests {
         e.expect(1, tag(10));
         e.withdraw(1, &tag(10));
         assert!(read(&e, 1, 10).is_none());
+        // Asked for before its frame came: nothing is left said to come, which a later frame
+        // with the tag would wait for in vain.
+        e.expect(1, tag(12));
+        e.ask(1, fold(12, &mut held), || 0);
+        assert!(
+            e.held(1)
+                .is_some_and(|(h, _)| !h.to_come.contains(&tag(12)))
+        );
+        assert!(read(&e, 1, 12).is_some());
         // No fold comes: the frame is read whole once the wait is over.
         let e = Expected::waiting(2, Duration::from_millis(1));
         e.expect(1, tag(11));
