@@ -33,7 +33,7 @@ pub mod pool {
     /// A vector of `len` elements whose values are unspecified (what a recycled buffer held,
     /// zeros beyond), to receive into without clearing it first.
     pub fn take_scratch(len: usize) -> Vec<f32> {
-        of_length(take_any(len), len)
+        take_scratch_with_room(len, len)
     }
 
     /// Like [`take_scratch`], with room for `room` elements (at least `len`).

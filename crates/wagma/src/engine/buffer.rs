@@ -87,9 +87,9 @@ impl WorkBuf {
                     Err(p) => self.segs.insert(i, (r, p)),
                 }
             }
-            let (at, mut v) = kept.unwrap_or_else(|| (0..0, pool::take(len)));
+            let (placed, mut v) = kept.unwrap_or_else(|| (0..0, pool::take(len)));
             for (r, p) in self.segs.drain(..) {
-                if r.start < at.start {
+                if r.start < placed.start {
                     uncached::copy_into(&mut v[r], p.as_slice(), len);
                 } else {
                     uncached::extend_copy(&mut v, p.as_slice(), len);

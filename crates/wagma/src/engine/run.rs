@@ -14,7 +14,7 @@ use crate::Rank;
 use crate::error::{Error, Op};
 use crate::payload::{Payload, Reduce};
 use crate::prefetch::{prefetch, prefetch_slice};
-use crate::schedule::{Combine, Schedule, Transfer};
+use crate::schedule::{Combine, Phase, Schedule, Transfer};
 use crate::topology::subset_members;
 use crate::transport::{Contribution, Contributions, Envelope, Fold, FoldInto, Kind, Meta, Tag};
 
@@ -419,9 +419,22 @@ impl Running {
         Ok(())
     }
 
+    /// The one part of `phase` that the transport may be asked about before it arrives: a
+    /// large one, combined with this rank's real values ([`Self::ask_fold`]) or replacing a good
+    /// share of the whole ([`Self::ask_place`]). (Fields apart: the phase borrows the schedule.)
+    fn askable<'p>(buf: &WorkBuf, phase: &'p Phase) -> Option<&'p Transfer> {
+        let [r] = &phase.recvs[..] else {
+            return None;
+        };
+        let wanted = match phase.combine {
+            Combine::Reduce(_) => !buf.is_virtual(),
+            Combine::Copy => buf.place(&r.range).is_some(),
+        };
+        (wanted && r.range.len() >= FOLD_MIN_ELEMENTS).then_some(r)
+    }
+
     /// Asks the transport (through `asks`) to fold the part `recv` of the phase just posted
-    /// into this rank's own as it arrives, if the part is large and real. (Fields apart: the
-    /// phase borrows the schedule.)
+    /// into this rank's own as it arrives ([`Self::askable`]).
     #[cold]
     fn ask_fold(
         buf: &mut WorkBuf,
@@ -432,9 +445,6 @@ impl Running {
         op: Reduce,
         asks: &mut Vec<FoldRequest>,
     ) {
-        if recv.range.len() < FOLD_MIN_ELEMENTS {
-            return;
-        }
         // None for a virtual buffer.
         let Some(own) = buf.view(recv.range.clone()).downgrade() else {
             return;
@@ -450,9 +460,9 @@ impl Running {
     }
 
     /// Asks the transport (through `asks`) to read the part `recv` of the phase just posted,
-    /// which replaces this rank's, into a buffer laid out for the whole, if the part is large
-    /// and a good share of the whole ([`WorkBuf::place`]). Not tracked: a placement that
-    /// catches another message only lays its values out differently.
+    /// which replaces this rank's, into a buffer laid out for the whole ([`Self::askable`]).
+    /// Not tracked: a placement that catches another message only lays its values out
+    /// differently.
     #[cold]
     fn ask_place(
         buf: &WorkBuf,
@@ -461,9 +471,6 @@ impl Running {
         tag: Tag,
         asks: &mut Vec<FoldRequest>,
     ) {
-        if recv.range.len() < FOLD_MIN_ELEMENTS {
-            return;
-        }
         if let Some(place) = buf.place(&recv.range) {
             asks.push(FoldRequest::Ask {
                 from,
@@ -540,14 +547,12 @@ impl Running {
                 return Ok(true);
             };
             if !self.posted {
+                let (kind, seq) = (self.kind, self.seq);
+                let tag = |step| Tag { kind, seq, step };
                 for s in &phase.sends {
                     let env = Envelope {
                         from: rank,
-                        tag: Tag {
-                            kind: self.kind,
-                            seq: self.seq,
-                            step: s.step,
-                        },
+                        tag: tag(s.step),
                         meta: Meta {
                             total_len: self.buf.len() as u64,
                             weight: self.weight,
@@ -593,14 +598,7 @@ impl Running {
                     &phase.recvs[..]
                 };
                 for (i, r) in early.iter().enumerate() {
-                    let key = (
-                        Tag {
-                            kind: self.kind,
-                            seq: self.seq,
-                            step: r.step,
-                        },
-                        members.rank_at(r.peer),
-                    );
+                    let key = (tag(r.step), members.rank_at(r.peer));
                     if let Some(queue) = unexpected.get_mut(&key) {
                         let env = queue.pop_front();
                         if queue.is_empty() {
@@ -616,46 +614,36 @@ impl Running {
                         }
                     }
                 }
-                // One peer's part, not here yet: the transport may combine it with this
-                // rank's as it arrives, or read it into place. (At most one per call: the
-                // phase then waits.)
-                if let (Some(asks), [r]) = (asks.as_deref_mut(), &phase.recvs[..])
-                    && self.got[0].is_none()
-                    && !self.absent[0]
-                {
-                    let tag = Tag {
-                        kind: self.kind,
-                        seq: self.seq,
-                        step: r.step,
-                    };
-                    let from = members.rank_at(r.peer);
-                    match phase.combine {
-                        Combine::Reduce(op) => {
-                            Self::ask_fold(&mut self.buf, &mut self.fold, from, r, tag, op, asks);
+                if let Some(asks) = asks.as_deref_mut() {
+                    // One peer's part, not here yet: the transport may combine it with this
+                    // rank's as it arrives, or read it into place. (At most one per call: the
+                    // phase then waits.)
+                    if let Some(r) = Self::askable(&self.buf, phase)
+                        && self.got[0].is_none()
+                        && !self.absent[0]
+                    {
+                        let from = members.rank_at(r.peer);
+                        match phase.combine {
+                            Combine::Reduce(op) => {
+                                let fold = &mut self.fold;
+                                Self::ask_fold(&mut self.buf, fold, from, r, tag(r.step), op, asks);
+                            }
+                            Combine::Copy => {
+                                Self::ask_place(&self.buf, from, r, tag(r.step), asks);
+                            }
                         }
-                        Combine::Copy => Self::ask_place(&self.buf, from, r, tag, asks),
                     }
-                }
-                // The next phase's one part may come before that phase starts, from a peer
-                // a phase ahead: say now that it will be asked for.
-                if let (Some(asks), Some(next)) = (
-                    asks.as_deref_mut(),
-                    self.schedule.phases.get(self.phase + 1),
-                ) && let [r] = &next.recvs[..]
-                    && r.range.len() >= FOLD_MIN_ELEMENTS
-                    && !self.buf.is_virtual()
-                    && (matches!(next.combine, Combine::Reduce(_))
-                        || self.buf.place(&r.range).is_some())
-                    && !dead.contains(members.rank_at(r.peer))
-                {
-                    asks.push(FoldRequest::Expect {
-                        from: members.rank_at(r.peer),
-                        tag: Tag {
-                            kind: self.kind,
-                            seq: self.seq,
-                            step: r.step,
-                        },
-                    });
+                    // The next phase's one part may come before that phase starts, from a
+                    // peer a phase ahead: say now that it will be asked for.
+                    let next = self.schedule.phases.get(self.phase + 1);
+                    if let Some(r) = next.and_then(|next| Self::askable(&self.buf, next))
+                        && !dead.contains(members.rank_at(r.peer))
+                    {
+                        asks.push(FoldRequest::Expect {
+                            from: members.rank_at(r.peer),
+                            tag: tag(r.step),
+                        });
+                    }
                 }
             }
             if self.waiting > 0 {
