@@ -50,15 +50,33 @@ pub(crate) fn extend_copy(out: &mut Vec<f32>, src: &[f32], whole: usize) {
 /// Overwrites `dst` with `src` (as long as `dst`), part of a result of `whole` elements, as
 /// [`extend_zip`] does.
 pub(crate) fn copy_into(dst: &mut [f32], src: &[f32], whole: usize) {
-    let src = &src[..dst.len()];
     if whole < FROM {
-        dst.copy_from_slice(src);
+        dst.copy_from_slice(&src[..dst.len()]);
+    } else {
+        zip_into(dst, src, src, whole, |x, _| x);
+    }
+}
+
+/// Overwrites every `dst[i]` with `f(a[i], b[i])` (`a` and `b` at least as long as `dst`),
+/// part of a result of `whole` elements, as [`extend_zip`] does.
+pub(crate) fn zip_into(
+    dst: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    whole: usize,
+    f: impl Fn(f32, f32) -> f32,
+) {
+    let (a, b) = (&a[..dst.len()], &b[..dst.len()]);
+    if whole < FROM {
+        for ((d, &x), &y) in dst.iter_mut().zip(a).zip(b) {
+            *d = f(x, y);
+        }
         return;
     }
     // SAFETY: `f32` and `MaybeUninit<f32>` have the same layout, and only initialized
     // values are written through the cast (every element of `dst`, by `streamed`).
     let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-    streamed(dst, src, src, |x, _| x);
+    streamed(dst, a, b, f);
 }
 
 /// Elements written per group of streaming stores: 64 bytes, a cache line's worth.

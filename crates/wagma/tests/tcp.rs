@@ -893,7 +893,11 @@ fn a_part_asked_for_is_folded_as_it_arrives_with_or_without_frame_tags() {
             let theirs = env.data.clone();
             // Asked for before the message is sent: the reader folds it.
             let own_part = own.downgrade().expect("a view is shared");
-            let into = FoldInto::Own { own: own_part, op };
+            let into = FoldInto::Own {
+                own: own_part,
+                op,
+                layout: None,
+            };
             let got = exchange((&mut t0, &rx0, &mut t1), env, Some(into));
             assert!(got.folded, "{name} {op:?}");
             let want = Payload::reduce_of(&own, &theirs, op);
@@ -907,10 +911,7 @@ fn a_part_asked_for_is_folded_as_it_arrives_with_or_without_frame_tags() {
         let mut env = note(1, 4);
         env.data = Payload::Data(model(1, 4, len));
         let theirs = env.data.clone();
-        let place = Place {
-            range: 3..3 + len,
-            room: len + 5,
-        };
+        let place = Place::new(3..3 + len, len + 5);
         let got = exchange((&mut t0, &rx0, &mut t1), env, Some(FoldInto::Place(place)));
         assert!(!got.folded);
         assert_eq!(got.env.data, theirs);
@@ -918,6 +919,33 @@ fn a_part_asked_for_is_folded_as_it_arrives_with_or_without_frame_tags() {
         assert_eq!((at, v.len()), (3, 3 + len));
         assert!(v.capacity() >= len + 5);
         assert_eq!(&v[3..], theirs.as_slice());
+        // Folded into the first half of a buffer laid out for a whole, then the second half
+        // read beside it: one buffer holds both.
+        let whole = 2 * len;
+        let mut env = note(1, 5);
+        env.data = Payload::Data(model(1, 5, len));
+        let into = FoldInto::Own {
+            own: own.downgrade().expect("a view is shared"),
+            op: Reduce::Sum,
+            layout: Some(Place::new(0..len, whole)),
+        };
+        let first = exchange((&mut t0, &rx0, &mut t1), env.clone(), Some(into))
+            .env
+            .data;
+        assert_eq!(first, Payload::reduce_of(&own, &env.data, Reduce::Sum));
+        let place = first
+            .place_beside(0, &(len..whole), whole)
+            .expect("the rest is free");
+        let mut env = note(1, 6);
+        env.data = Payload::Data(model(1, 6, len));
+        let theirs = env.data.clone();
+        let second = exchange((&mut t0, &rx0, &mut t1), env, Some(FoldInto::Place(place)));
+        assert_eq!(second.env.data, theirs);
+        let beside = first.as_slice().as_ptr().wrapping_add(len);
+        assert!(
+            std::ptr::eq(second.env.data.as_slice().as_ptr(), beside),
+            "{name}"
+        );
     }
 }
 

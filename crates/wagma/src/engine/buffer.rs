@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use crate::Rank;
-use crate::payload::{Payload, Place, Reduce, pool};
+use crate::payload::{Payload, Place, Reduce, SharedView, pool};
 use crate::uncached;
 
 /// Segments that tile `0..len` in order.
@@ -53,21 +53,26 @@ impl WorkBuf {
         self.segs[0].1.view(range)
     }
 
-    /// Joins the segments into one owned buffer.
+    /// Joins the segments into one buffer: a view of the one buffer all of them already lie
+    /// in at their places, if they do, else an owned buffer.
     fn materialize(&mut self) {
         if self.segs.len() == 1 {
             return;
         }
         let virtual_ = self.segs.iter().any(|(_, p)| p.is_virtual());
-        let joined = if virtual_ {
+        let joined = if let Some(whole) = SharedView::joined(&self.segs, self.len) {
+            // Every part already lies in place in one buffer.
+            self.segs.clear();
+            whole
+        } else if virtual_ {
             self.segs.drain(..).for_each(|(_, p)| p.recycle());
             Payload::Size(self.len)
         } else {
             let len = self.len;
             // A part whose values already lie at their place in a buffer with room for the
-            // whole (one of this rank's own at the start, or one read into place, see
-            // `WorkBuf::place`) is filled in around: only the others are copied. The largest
-            // such part, if another holder does not keep it shared.
+            // whole (one of this rank's own at the start, or one folded or read into place,
+            // see `WorkBuf::layout`) is filled in around: only the others are copied. The
+            // largest such part, if another holder does not keep it shared.
             let fits = |(r, p): &(Range<usize>, Payload)| {
                 p.placed_room()
                     .is_some_and(|(at, room)| at == r.start && room >= len)
@@ -102,17 +107,25 @@ impl WorkBuf {
         self.segs.push((0..self.len, joined));
     }
 
-    /// Where a received part that replaces `range` may be read into (see
-    /// [`crate::transport::FoldInto::Place`]): a buffer with room for the whole, when the part
-    /// is at least half of it (rounded down: either half of an odd length), so that joining
-    /// the parts copies only the rest. `None` for a
-    /// smaller part, which would hold a whole buffer's memory to spare less than its size.
-    pub fn place(&self, range: &Range<usize>) -> Option<Place> {
+    /// How a large part of this buffer may be laid out (see [`Place`]): in a buffer with room
+    /// for the whole, when the part is at least half of it (rounded down: either half of an
+    /// odd length), so that joining the parts copies only the rest. `None` for a smaller
+    /// part, which would hold a whole buffer's memory to spare less than its size.
+    pub fn layout(&self, range: &Range<usize>) -> Option<Place> {
         let part = range.len();
-        (!self.virtual_ && part < self.len && part >= self.len / 2).then(|| Place {
-            range: range.clone(),
-            room: self.len,
-        })
+        (!self.virtual_ && part < self.len && part >= self.len / 2)
+            .then(|| Place::new(range.clone(), self.len))
+    }
+
+    /// Where a received part that replaces `range` may be read into (see
+    /// [`crate::transport::FoldInto::Place`]): laid out as [`WorkBuf::layout`] says, beside
+    /// another part when a segment lies in a buffer laid out for the whole with `range` still
+    /// free in it (the other half of a whole whose first half was folded there): then joining
+    /// the two copies nothing.
+    pub fn place(&self, range: &Range<usize>) -> Option<Place> {
+        let place = self.layout(range)?;
+        let beside = (self.segs.iter()).find_map(|(r, p)| p.place_beside(r.start, range, self.len));
+        Some(beside.unwrap_or(place))
     }
 
     /// This rank's part of `range`: the segment itself when it is exactly `range` (and
@@ -277,10 +290,10 @@ mod tests {
                     let mut b = WorkBuf::new(Payload::Data(vec![0.0; len]));
                     let range = start..end;
                     let place = b.place(&range).expect("at least half of the whole");
-                    assert_eq!(b.place(&(0..start.max(1))), None, "{start}");
-                    let mut v = place.buffer();
-                    v[range.clone()].copy_from_slice(&all[range.clone()]);
-                    let mut part = place.payload(v);
+                    assert!(b.place(&(0..start.max(1))).is_none(), "{start}");
+                    let mut t = place.target();
+                    t.values().copy_from_slice(&all[range.clone()]);
+                    let mut part = t.into_payload();
                     let base = part.as_slice().as_ptr().wrapping_sub(start);
                     let elsewhere = shared.then(|| part.view(0..end - start));
                     b.replace(0..start, Payload::Data(all[..start].to_vec()));
@@ -291,6 +304,47 @@ mod tests {
                     let filled_in = std::ptr::eq(got.as_slice().as_ptr(), base);
                     assert_eq!(filled_in, !shared, "{len} {start}");
                     drop(elsewhere);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_whole_laid_out_half_by_half_in_one_buffer_is_joined_without_a_copy() {
+        for len in [1000, uncached::FROM + 7] {
+            let all: Vec<f32> = (0..len).map(|i| (i % 4099) as f32 - 0.5).collect();
+            for first in [0..len / 2, len / 2..len] {
+                // A send of the first half may still hold it when the rest arrives.
+                for sent in [false, true] {
+                    let mut b = WorkBuf::new(Payload::Data(vec![0.0; len]));
+                    // The first half as a fold lays it out, in a buffer for the whole.
+                    let mut t = b.layout(&first).expect("half of the whole").fresh();
+                    t.values().copy_from_slice(&all[first.clone()]);
+                    let part = t.into_payload();
+                    let base = part.as_slice().as_ptr().wrapping_sub(first.start);
+                    b.replace(first.clone(), part);
+                    let held = sent.then(|| b.view(first.clone()));
+                    let rest = if first.start == 0 {
+                        first.end..len
+                    } else {
+                        0..first.start
+                    };
+                    let mut t = b.place(&rest).expect("half of the whole").target();
+                    assert!(t.is_claimed(), "{len} {first:?}");
+                    t.values().copy_from_slice(&all[rest.clone()]);
+                    b.replace(rest.clone(), t.into_payload());
+                    // Taken, the rest is no longer free there.
+                    let again = b.place(&rest).expect("half of the whole").target();
+                    assert!(!again.is_claimed());
+                    let got = b.finish();
+                    assert!(got.as_slice() == &all[..], "{len} {first:?} {sent}");
+                    assert!(
+                        std::ptr::eq(got.as_slice().as_ptr(), base),
+                        "{len} {first:?}"
+                    );
+                    if let Some(held) = held {
+                        assert!(held.as_slice() == &all[first.clone()]);
+                    }
                 }
             }
         }

@@ -449,11 +449,12 @@ impl Running {
         let Some(own) = buf.view(recv.range.clone()).downgrade() else {
             return;
         };
+        let layout = buf.layout(&recv.range);
         asks.push(FoldRequest::Ask {
             from,
             fold: Fold {
                 tag,
-                into: FoldInto::Own { own, op },
+                into: FoldInto::Own { own, op, layout },
             },
         });
         *fold = FoldState::Asked;

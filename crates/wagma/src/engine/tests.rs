@@ -24,6 +24,8 @@ struct Net {
     unfolded: usize,
     /// Messages delivered read into place.
     placed: usize,
+    /// Of those, read beside another part of their whole, in its buffer.
+    beside: usize,
     /// Folds said to come.
     expected: usize,
 }
@@ -45,6 +47,7 @@ impl Net {
             folded: 0,
             unfolded: 0,
             placed: 0,
+            beside: 0,
             expected: 0,
         }
     }
@@ -109,16 +112,25 @@ impl Net {
             if let Some(i) = asked {
                 let (_, _, fold) = self.folds.swap_remove(i);
                 match fold.into {
-                    crate::transport::FoldInto::Own { own, op } => {
+                    crate::transport::FoldInto::Own { own, op, layout } => {
                         let own = own.upgrade().expect("the part waits for this message");
-                        env.data = Payload::reduce_of(&own, &env.data, op);
+                        env.data = match layout {
+                            Some(layout) => {
+                                let mut t = layout.fresh();
+                                let (mine, theirs) = (own.as_slice(), env.data.as_slice());
+                                op.zip_into(t.values(), mine, theirs, mine.len());
+                                t.into_payload()
+                            }
+                            None => Payload::reduce_of(&own, &env.data, op),
+                        };
                         self.folded += 1;
                         self.engines[to].on_folded_message(Duration::ZERO, env, &mut out);
                     }
                     crate::transport::FoldInto::Place(place) => {
-                        let mut v = place.buffer();
-                        v[place.range.clone()].copy_from_slice(env.data.as_slice());
-                        env.data = place.payload(v);
+                        let mut t = place.target();
+                        self.beside += usize::from(t.is_claimed());
+                        t.values().copy_from_slice(env.data.as_slice());
+                        env.data = t.into_payload();
                         self.placed += 1;
                         self.engines[to].on_message(Duration::ZERO, env, &mut out);
                     }
@@ -1190,56 +1202,91 @@ fn a_welcome_to_a_rank_outside_the_job_is_refused() {
     assert!(e.failure().is_none());
 }
 
+/// What a run of one allreduce over a [`Net`] gave: every rank's result as bits, and the
+/// net's counts.
+struct FoldRun {
+    sums: Vec<Vec<u32>>,
+    folded: usize,
+    unfolded: usize,
+    placed: usize,
+    beside: usize,
+    expected: usize,
+    /// Ranks whose result is one view of a buffer that parts were laid out in.
+    joined_in_place: usize,
+}
+
+/// One allreduce of `len` rank-dependent values (whose sums round differently in different
+/// orders) over `p` ranks, folding parts as they arrive or not, and the transport too late
+/// for every fold or not.
+fn fold_run(
+    p: usize,
+    len: usize,
+    algorithm: crate::schedule::AllreduceAlgorithm,
+    folding: bool,
+    too_late: bool,
+) -> FoldRun {
+    let value = |r: Rank, i: usize| ((i * 7919 + r * 104_729) % 1009) as f32 * 0.013 + 1e-7;
+    let mut net = Net::new(p);
+    net.too_late = too_late;
+    for e in &mut net.engines {
+        e.fold_on_arrival(folding);
+    }
+    let members: Vec<Rank> = (0..p).collect();
+    let choice = crate::schedule::AlgorithmChoice {
+        algorithm,
+        ..Default::default()
+    };
+    for r in 0..p {
+        let schedule = crate::schedule::allreduce(r, &members, len, &choice);
+        net.request(
+            r,
+            1,
+            Request::Run(CollectiveRun {
+                kind: Kind::Collective,
+                seq: 0,
+                schedule,
+                data: Payload::Data((0..len).map(|i| value(r, i)).collect()),
+                weight: 1.0,
+                steps: 0,
+            }),
+        );
+    }
+    net.pump(10_000);
+    let mut joined_in_place = 0;
+    let sums: Vec<Vec<u32>> = (0..p)
+        .map(|r| match net.take(r, 1) {
+            Ok(Response::Data { data, weight, .. }) => {
+                assert_eq!(weight, p as f64);
+                joined_in_place += usize::from(matches!(data, Payload::Shared(_)));
+                data.as_slice().iter().map(|x| x.to_bits()).collect()
+            }
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    // Every fold asked for was used or withdrawn, every placement used.
+    assert!(net.folds.is_empty(), "{} folds left", net.folds.len());
+    FoldRun {
+        sums,
+        folded: net.folded,
+        unfolded: net.unfolded,
+        placed: net.placed,
+        beside: net.beside,
+        expected: net.expected,
+        joined_in_place,
+    }
+}
+
 #[test]
 fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
-    // Rank-dependent values whose sums round differently in different orders.
     // Every part of reduce-scatter + allgather at P = 4 (a quarter) is large enough to fold.
     let len = (1 << 18) + 5;
-    let value = |r: Rank, i: usize| ((i * 7919 + r * 104_729) % 1009) as f32 * 0.013 + 1e-7;
     for algorithm in [
         crate::schedule::AllreduceAlgorithm::RecursiveDoubling,
         crate::schedule::AllreduceAlgorithm::ReduceScatterAllgather,
     ] {
-        let run = |folding: bool, too_late: bool| {
-            let p = 4;
-            let mut net = Net::new(p);
-            net.too_late = too_late;
-            for e in &mut net.engines {
-                e.fold_on_arrival(folding);
-            }
-            let members: Vec<Rank> = (0..p).collect();
-            let choice = crate::schedule::AlgorithmChoice {
-                algorithm,
-                ..Default::default()
-            };
-            for r in 0..p {
-                let schedule = crate::schedule::allreduce(r, &members, len, &choice);
-                net.request(
-                    r,
-                    1,
-                    Request::Run(CollectiveRun {
-                        kind: Kind::Collective,
-                        seq: 0,
-                        schedule,
-                        data: Payload::Data((0..len).map(|i| value(r, i)).collect()),
-                        weight: 1.0,
-                        steps: 0,
-                    }),
-                );
-            }
-            net.pump(10_000);
-            let sums: Vec<Vec<u32>> = (0..p)
-                .map(|r| match net.take(r, 1) {
-                    Ok(Response::Data { data, weight, .. }) => {
-                        assert_eq!(weight, p as f64);
-                        data.as_slice().iter().map(|x| x.to_bits()).collect()
-                    }
-                    other => panic!("unexpected {other:?}"),
-                })
-                .collect();
-            // Every fold asked for was used or withdrawn, every placement used.
-            assert!(net.folds.is_empty(), "{} folds left", net.folds.len());
-            (sums, net.folded, net.unfolded, net.placed, net.expected)
+        let run = |folding, too_late| {
+            let r = fold_run(4, len, algorithm, folding, too_late);
+            (r.sums, r.folded, r.unfolded, r.placed, r.expected)
         };
         let (after, none, _, _, _) = run(false, false);
         let (arriving, folded, withdrawn, placed, expected) = run(true, false);
@@ -1277,4 +1324,24 @@ fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
         );
         assert!(after.iter().all(|s| s == &after[0]), "{algorithm:?}");
     }
+}
+
+#[test]
+fn the_halves_of_a_pair_are_reduced_and_gathered_into_one_buffer() {
+    // An odd length: the halves differ by one.
+    let len = (1 << 18) + 5;
+    let algorithm = crate::schedule::AllreduceAlgorithm::ReduceScatterAllgather;
+    let after = fold_run(2, len, algorithm, false, false);
+    let arriving = fold_run(2, len, algorithm, true, false);
+    assert!(after.sums == arriving.sums, "the sums differ");
+    assert!(after.sums[0] == after.sums[1]);
+    assert_eq!((after.placed, after.joined_in_place), (0, 0));
+    // Each rank folds the reduce-scatter's half into a buffer laid out for the whole, and
+    // reads the allgather's half into the rest of it, where the peer's half arrives after
+    // the ask: the result is that buffer, with nothing copied.
+    assert_eq!(arriving.folded, 2);
+    assert_eq!(arriving.expected, 2);
+    assert!(arriving.beside >= 1, "{} beside", arriving.beside);
+    assert_eq!(arriving.beside, arriving.placed);
+    assert_eq!(arriving.joined_in_place, arriving.beside);
 }

@@ -7,7 +7,10 @@
 //! anything is allocated. A payload is received into a buffer the pool already holds, or else
 //! filled chunk by chunk as its bytes arrive (a payload of up to 256 MiB reserves its address
 //! space up front, which costs nothing until written), so a frame that announces much and sends
-//! little makes the reader touch no more new memory than the bytes actually sent. A virtual
+//! little makes the reader touch no more new memory than the bytes actually sent. (A payload
+//! that the receiver asked to be laid out in a buffer for a larger whole, see [`Place`], is the
+//! exception: that buffer, as large as the receiver's own, is taken whole before the payload
+//! is read; its size is the receiver's, not the sender's to choose.) A virtual
 //! length is bounded like a payload (at most the maximum body in bytes), so it cannot overflow;
 //! the transports decide whether they carry virtual payloads at all (TCP does not, beyond the
 //! empty one of control messages). A reader may also fold a payload into the receiver's own
@@ -20,7 +23,7 @@ use std::io::{Read, Write};
 use super::{Contribution, Delivery, Envelope, Fold, FoldInto, Kind, Meta, Tag};
 use crate::Rank;
 use crate::error::TransportError;
-use crate::payload::{Payload, Reduce, pool};
+use crate::payload::{Payload, Place, Reduce, pool};
 
 /// Bytes of the fixed part of a body.
 pub const HEADER_BYTES: usize = 1 + 1 + 2 + 4 + 8 + 8 + 8 + 8 + 4;
@@ -193,17 +196,18 @@ pub fn read_frame_folding<R: Read>(
         }
         let count = payload_bytes / 4;
         match fold(from, &tag).map(|f| f.into) {
-            Some(FoldInto::Own { own, op }) if own.len() == count => match own.upgrade() {
+            Some(FoldInto::Own { own, op, layout }) if own.len() == count => match own.upgrade() {
                 Some(own) => {
                     folded = true;
-                    Payload::Data(read_folded(r, own.as_slice(), op, scratch)?)
+                    let layout = layout.filter(|l| l.range().len() == count);
+                    read_folded(r, own.as_slice(), op, scratch, layout)?
                 }
                 None => Payload::Data(read_values(r, count)?),
             },
-            Some(FoldInto::Place(place)) if place.range.len() == count => {
-                let mut v = place.buffer();
-                exact(r, bytemuck::cast_slice_mut(&mut v[place.range.clone()]))?;
-                place.payload(v)
+            Some(FoldInto::Place(place)) if place.range().len() == count => {
+                let mut target = place.target();
+                exact(r, bytemuck::cast_slice_mut(target.values()))?;
+                target.into_payload()
             }
             _ => Payload::Data(read_values(r, count)?),
         }
@@ -225,23 +229,37 @@ pub fn read_frame_folding<R: Read>(
 /// Elements of a piece that a folded payload is read in (1 MiB: within a core's L2 cache).
 const FOLD_PIECE: usize = 1 << 18;
 
-/// `own op payload`, the payload read piece by piece into `scratch`.
+/// `own op payload`, the payload read piece by piece into `scratch`; laid out as `layout`
+/// says, if given.
 fn read_folded<R: Read>(
     r: &mut R,
     own: &[f32],
     op: Reduce,
     scratch: &mut Vec<f32>,
-) -> Result<Vec<f32>, TransportError> {
+    layout: Option<Place>,
+) -> Result<Payload, TransportError> {
     scratch.resize(FOLD_PIECE.min(own.len()), 0.0);
-    // Reserved, not touched: a peer that announces much and sends little makes this reader
-    // write no more than it sent.
-    let mut out = pool::take(own.len());
+    // Without a layout, reserved and not touched: a peer that announces much and sends
+    // little makes this reader write no more than it sent.
+    let mut laid_out = layout.map(|l| l.fresh());
+    let mut out = match laid_out {
+        Some(_) => Vec::new(),
+        None => pool::take(own.len()),
+    };
+    let mut at = 0;
     for mine in own.chunks(FOLD_PIECE) {
         let piece = &mut scratch[..mine.len()];
         exact(r, bytemuck::cast_slice_mut(piece))?;
-        op.extend_for(&mut out, mine, piece, own.len());
+        match &mut laid_out {
+            Some(t) => op.zip_into(&mut t.values()[at..at + mine.len()], mine, piece, own.len()),
+            None => op.extend_for(&mut out, mine, piece, own.len()),
+        }
+        at += mine.len();
     }
-    Ok(out)
+    Ok(match laid_out {
+        Some(t) => t.into_payload(),
+        None => Payload::Data(out),
+    })
 }
 
 /// `count` values read whole.
@@ -363,20 +381,33 @@ mod tests {
         let mut bytes = Vec::new();
         write_frame(&mut bytes, &sample(Payload::Data(theirs.clone())), u64::MAX).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for op in [Reduce::Sum, Reduce::Max] {
-            let weak = own.downgrade();
-            let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut Vec::new(), |_, t| {
-                Some(Fold {
-                    tag: *t,
-                    into: FoldInto::Own { own: weak?, op },
+        // Laid out in a buffer of its own, or at the end of a buffer for a larger whole.
+        for layout in [None, Some(Place::new(7..7 + n, n + 7))] {
+            for op in [Reduce::Sum, Reduce::Max] {
+                let weak = own.downgrade();
+                let (offset, room) = layout
+                    .as_ref()
+                    .map_or((0, n), |l| (l.range().start, l.room()));
+                let layout = layout.clone();
+                let got = read_frame_folding(&mut &bytes[..], u64::MAX, &mut Vec::new(), |_, t| {
+                    Some(Fold {
+                        tag: *t,
+                        into: FoldInto::Own {
+                            own: weak?,
+                            op,
+                            layout,
+                        },
+                    })
                 })
-            })
-            .unwrap()
-            .unwrap();
-            assert!(got.folded);
-            let mut want = Vec::new();
-            op.extend(&mut want, own.as_slice(), &theirs);
-            assert!(bits(got.env.data.as_slice()) == bits(&want), "{op:?}");
+                .unwrap()
+                .unwrap();
+                assert!(got.folded);
+                let mut want = Vec::new();
+                op.extend(&mut want, own.as_slice(), &theirs);
+                assert!(bits(got.env.data.as_slice()) == bits(&want), "{op:?}");
+                let at = got.env.data.placed_room().map(|(at, r)| (at, r >= room));
+                assert_eq!(at, Some((offset, true)), "{op:?}");
+            }
         }
     }
 
@@ -396,7 +427,11 @@ mod tests {
                 assert_eq!((from, *t), (3, tag));
                 Some(Fold {
                     tag: other.unwrap_or(*t),
-                    into: FoldInto::Own { own: own?, op },
+                    into: FoldInto::Own {
+                        own: own?,
+                        op,
+                        layout: None,
+                    },
                 })
             }
         };
@@ -419,6 +454,7 @@ mod tests {
                 into: FoldInto::Own {
                     own: short?,
                     op: Reduce::Sum,
+                    layout: None,
                 },
             })
         })

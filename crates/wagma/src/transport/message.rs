@@ -229,9 +229,14 @@ pub enum FoldInto {
         /// How the two combine: a sum or a maximum, the same bits in either order (NaN
         /// payloads aside, which IEEE 754 leaves to the hardware).
         op: Reduce,
+        /// Where the combined values are laid out, when they are a large part of a larger
+        /// buffer: a buffer for the whole, in which a later part may be read beside them (a
+        /// [`FoldInto::Place`] given that room) so that joining the two copies nothing.
+        layout: Option<Place>,
     },
     /// The payload takes the place of the receiver's part of a larger buffer: read into a
-    /// buffer laid out as [`Place`] says, so that joining the parts copies only the others.
+    /// buffer laid out as [`Place`] says (beside another part when the place gives the room
+    /// of one), so that joining the parts copies only the others, or none.
     /// Delivered with [`Delivery::folded`] unset (the values are the payload's), and harmless
     /// if it catches another message: only where the values lie differs.
     Place(Place),

@@ -193,6 +193,7 @@ mod tests {
             into: FoldInto::Own {
                 own,
                 op: Reduce::Sum,
+                layout: None,
             },
         }
     }

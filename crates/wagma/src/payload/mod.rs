@@ -3,181 +3,13 @@
 //! costs nothing to carry).
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
 
 use crate::uncached;
 
-/// Recycles large buffers. A fresh 64 MiB allocation is mapped from the OS and touched page by
-/// page (page faults cost more than the copy itself); collectives allocate and drop buffers of
-/// the same sizes over and over, so keeping a few lets every round after the first reuse
-/// memory that is already mapped.
-pub mod pool {
-    use super::Mutex;
+pub mod pool;
+mod shared;
 
-    /// Buffers smaller than this many elements are left to the allocator.
-    const MIN_ELEMENTS: usize = 1 << 14;
-    /// Largest number of buffers kept.
-    const MAX_BUFFERS: usize = 64;
-    /// Largest number of elements kept in all: 1 GiB of `f32`s.
-    const MAX_ELEMENTS: usize = (1 << 30) / std::mem::size_of::<f32>();
-
-    static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
-
-    /// An empty vector with room for `len` elements.
-    pub fn take(len: usize) -> Vec<f32> {
-        let mut v = take_any(len);
-        v.clear();
-        v
-    }
-
-    /// A vector of `len` elements whose values are unspecified (what a recycled buffer held,
-    /// zeros beyond), to receive into without clearing it first.
-    pub fn take_scratch(len: usize) -> Vec<f32> {
-        take_scratch_with_room(len, len)
-    }
-
-    /// Like [`take_scratch`], with room for `room` elements (at least `len`).
-    pub fn take_scratch_with_room(len: usize, room: usize) -> Vec<f32> {
-        of_length(take_any(room.max(len)), len)
-    }
-
-    /// Like [`take_scratch`], but only from a buffer the pool already holds: `None` when it
-    /// holds none that fits, and nothing is allocated.
-    pub fn take_recycled(len: usize) -> Option<Vec<f32>> {
-        take_held(len).map(|v| of_length(v, len))
-    }
-
-    /// `v` cut or padded with zeros to `len` elements (what it held stays).
-    fn of_length(mut v: Vec<f32>, len: usize) -> Vec<f32> {
-        v.truncate(len);
-        v.resize(len, 0.0);
-        v
-    }
-
-    /// A recycled buffer with room for `len` elements, as it was handed back.
-    fn take_any(len: usize) -> Vec<f32> {
-        take_held(len).unwrap_or_else(|| Vec::with_capacity(len))
-    }
-
-    /// A buffer of the pool with room for `len` elements (and not much more), if it holds one.
-    fn take_held(len: usize) -> Option<Vec<f32>> {
-        if len < MIN_ELEMENTS {
-            return None;
-        }
-        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-        // Prefer a buffer already as long as needed: nothing to fill.
-        let fits = |v: &Vec<f32>| v.capacity() >= len && v.capacity() <= 2 * len;
-        let pick = pool
-            .iter()
-            .position(|v| fits(v) && v.len() >= len)
-            .or_else(|| pool.iter().position(fits));
-        pick.map(|i| pool.swap_remove(i))
-    }
-
-    /// A copy of `src` in a recycled buffer.
-    pub fn copy_of(src: &[f32]) -> Vec<f32> {
-        let mut v = take(src.len());
-        v.extend_from_slice(src);
-        v
-    }
-
-    /// Whether a buffer of exactly `capacity` elements waits in the pool.
-    #[cfg(test)]
-    pub fn holds(capacity: usize) -> bool {
-        let pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-        pool.iter().any(|v| v.capacity() == capacity)
-    }
-
-    /// Hands a buffer back for reuse.
-    pub fn give(v: Vec<f32>) {
-        if v.capacity() < MIN_ELEMENTS {
-            return;
-        }
-        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-        let held: usize = pool.iter().map(Vec::capacity).sum();
-        if pool.len() < MAX_BUFFERS && held + v.capacity() <= MAX_ELEMENTS {
-            pool.push(v);
-        }
-    }
-}
-
-/// Where a received part's values are laid out: at `range` of a buffer with room for `room`
-/// elements, the whole the part belongs to. Joining the parts of a buffer then extends (or
-/// fills in around) the part instead of copying it too. Only the layout differs; the values
-/// are the same.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Place {
-    /// The part's range in the whole.
-    pub range: Range<usize>,
-    /// Elements of the whole.
-    pub room: usize,
-}
-
-impl Place {
-    /// A buffer of `range.end` elements with room for `room`, whose values are unspecified
-    /// (what a recycled buffer held, zeros beyond): the part is written at `range`.
-    pub(crate) fn buffer(&self) -> Vec<f32> {
-        pool::take_scratch_with_room(self.range.end, self.room)
-    }
-
-    /// The part, once `v` (from [`Place::buffer`]) holds its values at `range`.
-    pub(crate) fn payload(&self, mut v: Vec<f32>) -> Payload {
-        v.truncate(self.range.end);
-        if self.range.start == 0 {
-            return Payload::Data(v);
-        }
-        Payload::Shared(Arc::new(SharedBuffer(v)), self.range.clone())
-    }
-}
-
-/// The memory behind shared views ([`Payload::Shared`]), read-only. Its last holder hands it
-/// back to the pool when it drops it, wherever that is (a connection's writer thread once the
-/// frame is written, a receiver once it has summed it), so that a later round reuses it
-/// instead of mapping and faulting in a fresh buffer.
-#[derive(Debug)]
-pub struct SharedBuffer(Vec<f32>);
-
-impl SharedBuffer {
-    /// The values, taken out (what is left for `drop` to hand back is empty).
-    fn into_vec(mut self) -> Vec<f32> {
-        std::mem::take(&mut self.0)
-    }
-}
-
-impl std::ops::Deref for SharedBuffer {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        &self.0
-    }
-}
-
-impl Drop for SharedBuffer {
-    fn drop(&mut self) {
-        pool::give(std::mem::take(&mut self.0));
-    }
-}
-
-/// A read-only range of a shared buffer that does not keep the buffer alive: it can be
-/// read only while some [`Payload::Shared`] still holds it.
-#[derive(Debug, Clone)]
-pub struct WeakView(std::sync::Weak<SharedBuffer>, Range<usize>);
-
-impl WeakView {
-    /// The view, if the buffer is still held.
-    pub fn upgrade(&self) -> Option<Payload> {
-        self.0.upgrade().map(|a| Payload::Shared(a, self.1.clone()))
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.1.len()
-    }
-
-    /// True for an empty range.
-    pub fn is_empty(&self) -> bool {
-        self.1.is_empty()
-    }
-}
+pub use shared::{Place, SharedView, WeakView};
 
 /// A buffer of `f32` values, a read-only view of a shared one, or in simulations just a length.
 #[derive(Debug, Clone)]
@@ -185,7 +17,7 @@ pub enum Payload {
     /// Owned values.
     Data(Vec<f32>),
     /// A read-only range of a buffer shared with others; written to, it becomes owned.
-    Shared(Arc<SharedBuffer>, Range<usize>),
+    Shared(SharedView),
     /// A virtual buffer of this many elements: arithmetic on it is free and does nothing.
     Size(usize),
 }
@@ -229,7 +61,7 @@ impl Payload {
     pub fn len(&self) -> usize {
         match self {
             Payload::Data(v) => v.len(),
-            Payload::Shared(_, r) => r.len(),
+            Payload::Shared(v) => v.len(),
             Payload::Size(n) => *n,
         }
     }
@@ -248,7 +80,7 @@ impl Payload {
     pub fn as_slice(&self) -> &[f32] {
         match self {
             Payload::Data(v) => v,
-            Payload::Shared(a, r) => &a[r.clone()],
+            Payload::Shared(v) => v.as_slice(),
             Payload::Size(_) => &[],
         }
     }
@@ -265,10 +97,10 @@ impl Payload {
     /// Makes the values owned: a shared view becomes a copy (or the buffer itself when this
     /// was its last holder).
     pub fn own(&mut self) {
-        if let Payload::Shared(_, _) = self
-            && let Payload::Shared(a, r) = std::mem::replace(self, Payload::Size(0))
+        if let Payload::Shared(_) = self
+            && let Payload::Shared(v) = std::mem::replace(self, Payload::Size(0))
         {
-            *self = Payload::Data(owned(a, r));
+            *self = Payload::Data(owned(v));
         }
     }
 
@@ -277,14 +109,11 @@ impl Payload {
     pub fn view(&mut self, range: Range<usize>) -> Payload {
         match self {
             Payload::Size(_) => Payload::Size(range.len()),
-            Payload::Shared(a, r) => {
-                Payload::Shared(Arc::clone(a), r.start + range.start..r.start + range.end)
-            }
+            Payload::Shared(v) => Payload::Shared(v.part(range)),
             Payload::Data(v) => {
-                let arc = Arc::new(SharedBuffer(std::mem::take(v)));
-                let len = arc.len();
-                let view = Payload::Shared(Arc::clone(&arc), range);
-                *self = Payload::Shared(arc, 0..len);
+                let whole = SharedView::whole(std::mem::take(v));
+                let view = Payload::Shared(whole.part(range));
+                *self = Payload::Shared(whole);
                 view
             }
         }
@@ -295,7 +124,19 @@ impl Payload {
     pub fn placed_room(&self) -> Option<(usize, usize)> {
         match self {
             Payload::Data(v) => Some((0, v.capacity())),
-            Payload::Shared(a, r) if Arc::strong_count(a) == 1 => Some((r.start, a.0.capacity())),
+            Payload::Shared(v) if v.is_sole_holder() => Some((v.start(), v.capacity())),
+            _ => None,
+        }
+    }
+
+    /// Where the part `range` of a whole of `whole` elements may be read beside these values,
+    /// which are its part at `at`: in the same buffer, when they were laid out there for that
+    /// whole (see [`Place`]) and `range` is still free in it. `None` otherwise.
+    pub fn place_beside(&self, at: usize, range: &Range<usize>, whole: usize) -> Option<Place> {
+        match self {
+            Payload::Shared(v) => v
+                .room_for(at, range, whole)
+                .map(|room| Place::within(range.clone(), whole, room)),
             _ => None,
         }
     }
@@ -307,13 +148,12 @@ impl Payload {
     pub fn into_placed(self) -> Result<(Vec<f32>, usize), Payload> {
         match self {
             Payload::Data(v) => Ok((v, 0)),
-            Payload::Shared(a, r) => match Arc::try_unwrap(a) {
-                Ok(b) => {
-                    let mut v = b.into_vec();
+            Payload::Shared(view) => match view.try_unwrap() {
+                Ok((mut v, r)) => {
                     v.truncate(r.end);
                     Ok((v, r.start))
                 }
-                Err(a) => Err(Payload::Shared(a, r)),
+                Err(view) => Err(Payload::Shared(view)),
             },
             Payload::Size(_) => Err(self),
         }
@@ -322,7 +162,7 @@ impl Payload {
     /// A view of this shared range that does not keep it alive; `None` unless shared.
     pub fn downgrade(&self) -> Option<WeakView> {
         match self {
-            Payload::Shared(a, r) => Some(WeakView(Arc::downgrade(a), r.clone())),
+            Payload::Shared(v) => Some(v.downgrade()),
             _ => None,
         }
     }
@@ -331,7 +171,7 @@ impl Payload {
     pub fn into_vec(self) -> Vec<f32> {
         match self {
             Payload::Data(v) => v,
-            Payload::Shared(a, r) => owned(a, r),
+            Payload::Shared(v) => owned(v),
             Payload::Size(_) => Vec::new(),
         }
     }
@@ -458,6 +298,15 @@ impl Reduce {
         self.extend_for(out, a, b, 0);
     }
 
+    /// Overwrites `out[i]` with `a[i] op b[i]` for every `i` of `out` (the operands at least
+    /// as long), part of a result of `whole` elements, as [`Reduce::extend_for`] writes it.
+    pub(crate) fn zip_into(self, out: &mut [f32], a: &[f32], b: &[f32], whole: usize) {
+        match self {
+            Reduce::Sum => uncached::zip_into(out, a, b, whole, |x, y| x + y),
+            Reduce::Max => uncached::zip_into(out, a, b, whole, Reduce::max),
+        }
+    }
+
     /// [`Reduce::extend`] for a result that will hold `whole` elements: a large one is
     /// written around the caches (see [`crate::uncached`]), the same values.
     pub(crate) fn extend_for(self, out: &mut Vec<f32>, a: &[f32], b: &[f32], whole: usize) {
@@ -468,14 +317,20 @@ impl Reduce {
     }
 }
 
-fn owned(a: Arc<SharedBuffer>, r: Range<usize>) -> Vec<f32> {
-    if r.start == 0 && r.end == a.len() {
-        match Arc::try_unwrap(a) {
-            Ok(v) => v.into_vec(),
-            Err(a) => pool::copy_of(&a[r]),
+/// The values of `view`: its buffer itself when this was its last holder and the view starts
+/// it and covers most of it (a part laid out at the start of a whole, or the whole), else a
+/// copy.
+fn owned(view: SharedView) -> Vec<f32> {
+    if view.start() == 0 && 2 * view.len() >= view.buffer_len() {
+        match view.try_unwrap() {
+            Ok((mut v, r)) => {
+                v.truncate(r.end);
+                v
+            }
+            Err(view) => pool::copy_of(view.as_slice()),
         }
     } else {
-        pool::copy_of(&a[r])
+        pool::copy_of(view.as_slice())
     }
 }
 
