@@ -434,22 +434,35 @@ impl Running {
     }
 
     /// Asks the transport (through `asks`) to fold the part `recv` of the phase just posted
-    /// into this rank's own as it arrives ([`Self::askable`]).
+    /// into this rank's own as it arrives ([`Self::askable`]), laid out for the whole when
+    /// `next` (the phase after) reads the rest of the whole beside it. Whether it asked.
     #[cold]
     fn ask_fold(
         buf: &mut WorkBuf,
-        fold: &mut FoldState,
         from: Rank,
         recv: &Transfer,
         tag: Tag,
         op: Reduce,
+        next: Option<&Phase>,
         asks: &mut Vec<FoldRequest>,
-    ) {
+    ) -> bool {
         // None for a virtual buffer.
         let Some(own) = buf.view(recv.range.clone()).downgrade() else {
-            return;
+            return false;
         };
-        let layout = buf.layout(&recv.range);
+        // A buffer for the whole only pays when the rest is read into it next: else it holds
+        // twice the part's memory for nothing.
+        let (len, range) = (buf.len(), &recv.range);
+        let rest = match (range.start, range.end) {
+            (0, end) => Some(end..len),
+            (start, end) if end == len => Some(0..start),
+            _ => None,
+        };
+        let rest_next = next.is_some_and(|next| {
+            next.combine == Combine::Copy
+                && matches!(&next.recvs[..], [r] if Some(&r.range) == rest.as_ref())
+        });
+        let layout = buf.layout(range).filter(|_| rest_next);
         asks.push(FoldRequest::Ask {
             from,
             fold: Fold {
@@ -457,7 +470,7 @@ impl Running {
                 into: FoldInto::Own { own, op, layout },
             },
         });
-        *fold = FoldState::Asked;
+        true
     }
 
     /// Asks the transport (through `asks`) to read the part `recv` of the phase just posted,
@@ -626,8 +639,11 @@ impl Running {
                         let from = members.rank_at(r.peer);
                         match phase.combine {
                             Combine::Reduce(op) => {
-                                let fold = &mut self.fold;
-                                Self::ask_fold(&mut self.buf, fold, from, r, tag(r.step), op, asks);
+                                let next = self.schedule.phases.get(self.phase + 1);
+                                let buf = &mut self.buf;
+                                if Self::ask_fold(buf, from, r, tag(r.step), op, next, asks) {
+                                    self.fold = FoldState::Asked;
+                                }
                             }
                             Combine::Copy => {
                                 Self::ask_place(&self.buf, from, r, tag(r.step), asks);

@@ -26,6 +26,8 @@ struct Net {
     placed: usize,
     /// Of those, read beside another part of their whole, in its buffer.
     beside: usize,
+    /// Folds whose sum was laid out in a buffer for the whole.
+    laid_out: usize,
     /// Folds said to come.
     expected: usize,
 }
@@ -48,6 +50,7 @@ impl Net {
             unfolded: 0,
             placed: 0,
             beside: 0,
+            laid_out: 0,
             expected: 0,
         }
     }
@@ -116,6 +119,7 @@ impl Net {
                         let own = own.upgrade().expect("the part waits for this message");
                         env.data = match layout {
                             Some(layout) => {
+                                self.laid_out += 1;
                                 let mut t = layout.fresh();
                                 let (mine, theirs) = (own.as_slice(), env.data.as_slice());
                                 op.zip_into(t.values(), mine, theirs, mine.len());
@@ -1210,6 +1214,7 @@ struct FoldRun {
     unfolded: usize,
     placed: usize,
     beside: usize,
+    laid_out: usize,
     expected: usize,
     /// Ranks whose result is one view of a buffer that parts were laid out in.
     joined_in_place: usize,
@@ -1271,6 +1276,7 @@ fn fold_run(
         unfolded: net.unfolded,
         placed: net.placed,
         beside: net.beside,
+        laid_out: net.laid_out,
         expected: net.expected,
         joined_in_place,
     }
@@ -1286,6 +1292,8 @@ fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
     ] {
         let run = |folding, too_late| {
             let r = fold_run(4, len, algorithm, folding, too_late);
+            // No phase at P = 4 reads the rest of a folded part's whole right after it.
+            assert_eq!(r.laid_out, 0, "{algorithm:?}");
             (r.sums, r.folded, r.unfolded, r.placed, r.expected)
         };
         let (after, none, _, _, _) = run(false, false);
@@ -1339,7 +1347,7 @@ fn the_halves_of_a_pair_are_reduced_and_gathered_into_one_buffer() {
     // Each rank folds the reduce-scatter's half into a buffer laid out for the whole, and
     // reads the allgather's half into the rest of it, where the peer's half arrives after
     // the ask: the result is that buffer, with nothing copied.
-    assert_eq!(arriving.folded, 2);
+    assert_eq!((arriving.folded, arriving.laid_out), (2, 2));
     assert_eq!(arriving.expected, 2);
     assert!(arriving.beside >= 1, "{} beside", arriving.beside);
     assert_eq!(arriving.beside, arriving.placed);
