@@ -428,7 +428,7 @@ impl Running {
         };
         let wanted = match phase.combine {
             Combine::Reduce(_) => !buf.is_virtual(),
-            Combine::Copy => buf.place(&r.range).is_some(),
+            Combine::Copy => buf.layout(&r.range).is_some(),
         };
         (wanted && r.range.len() >= FOLD_MIN_ELEMENTS).then_some(r)
     }
@@ -629,6 +629,7 @@ impl Running {
                     }
                 }
                 if let Some(asks) = asks.as_deref_mut() {
+                    let next = self.schedule.phases.get(self.phase + 1);
                     // One peer's part, not here yet: the transport may combine it with this
                     // rank's as it arrives, or read it into place. (At most one per call: the
                     // phase then waits.)
@@ -639,7 +640,6 @@ impl Running {
                         let from = members.rank_at(r.peer);
                         match phase.combine {
                             Combine::Reduce(op) => {
-                                let next = self.schedule.phases.get(self.phase + 1);
                                 let buf = &mut self.buf;
                                 if Self::ask_fold(buf, from, r, tag(r.step), op, next, asks) {
                                     self.fold = FoldState::Asked;
@@ -652,7 +652,6 @@ impl Running {
                     }
                     // The next phase's one part may come before that phase starts, from a
                     // peer a phase ahead: say now that it will be asked for.
-                    let next = self.schedule.phases.get(self.phase + 1);
                     if let Some(r) = next.and_then(|next| Self::askable(&self.buf, next))
                         && !dead.contains(members.rank_at(r.peer))
                     {

@@ -18,6 +18,13 @@ struct Net {
     too_late: bool,
     /// (rank, peer, fold): asked for and not yet used.
     folds: Vec<(Rank, Rank, Fold)>,
+    /// What became of the folds asked for.
+    counts: FoldCounts,
+}
+
+/// What a [`Net`] did with the folds and placements it was asked for.
+#[derive(Debug, Default, Clone, Copy)]
+struct FoldCounts {
     /// Messages delivered folded.
     folded: usize,
     /// Folds withdrawn.
@@ -46,12 +53,7 @@ impl Net {
             disconnected: Vec::new(),
             too_late: false,
             folds: Vec::new(),
-            folded: 0,
-            unfolded: 0,
-            placed: 0,
-            beside: 0,
-            laid_out: 0,
-            expected: 0,
+            counts: FoldCounts::default(),
         }
     }
 
@@ -79,7 +81,7 @@ impl Net {
                     ..
                 } if self.too_late => {}
                 FoldRequest::Ask { from: peer, fold } => self.folds.push((from, peer, fold)),
-                FoldRequest::Expect { .. } => self.expected += 1,
+                FoldRequest::Expect { .. } => self.counts.expected += 1,
                 FoldRequest::Withdraw { from: peer, tag } => {
                     let asked =
                         |(r, p, f): &(Rank, Rank, Fold)| (*r, *p, f.tag) == (from, peer, tag);
@@ -88,7 +90,7 @@ impl Net {
                         "{from} withdrew a fold it never asked for"
                     );
                     self.folds.retain(|f| !asked(f));
-                    self.unfolded += 1;
+                    self.counts.unfolded += 1;
                 }
             }
         }
@@ -119,7 +121,7 @@ impl Net {
                         let own = own.upgrade().expect("the part waits for this message");
                         env.data = match layout {
                             Some(layout) => {
-                                self.laid_out += 1;
+                                self.counts.laid_out += 1;
                                 let mut t = layout.fresh();
                                 let (mine, theirs) = (own.as_slice(), env.data.as_slice());
                                 op.zip_into(t.values(), mine, theirs, mine.len());
@@ -127,15 +129,15 @@ impl Net {
                             }
                             None => Payload::reduce_of(&own, &env.data, op),
                         };
-                        self.folded += 1;
+                        self.counts.folded += 1;
                         self.engines[to].on_folded_message(Duration::ZERO, env, &mut out);
                     }
                     crate::transport::FoldInto::Place(place) => {
                         let mut t = place.target();
-                        self.beside += usize::from(t.is_claimed());
+                        self.counts.beside += usize::from(t.is_claimed());
                         t.values().copy_from_slice(env.data.as_slice());
                         env.data = t.into_payload();
-                        self.placed += 1;
+                        self.counts.placed += 1;
                         self.engines[to].on_message(Duration::ZERO, env, &mut out);
                     }
                 }
@@ -1210,12 +1212,7 @@ fn a_welcome_to_a_rank_outside_the_job_is_refused() {
 /// net's counts.
 struct FoldRun {
     sums: Vec<Vec<u32>>,
-    folded: usize,
-    unfolded: usize,
-    placed: usize,
-    beside: usize,
-    laid_out: usize,
-    expected: usize,
+    counts: FoldCounts,
     /// Ranks whose result is one view of a buffer that parts were laid out in.
     joined_in_place: usize,
 }
@@ -1272,12 +1269,7 @@ fn fold_run(
     assert!(net.folds.is_empty(), "{} folds left", net.folds.len());
     FoldRun {
         sums,
-        folded: net.folded,
-        unfolded: net.unfolded,
-        placed: net.placed,
-        beside: net.beside,
-        laid_out: net.laid_out,
-        expected: net.expected,
+        counts: net.counts,
         joined_in_place,
     }
 }
@@ -1293,8 +1285,9 @@ fn a_part_folded_as_it_arrives_gives_the_bits_of_one_folded_after() {
         let run = |folding, too_late| {
             let r = fold_run(4, len, algorithm, folding, too_late);
             // No phase at P = 4 reads the rest of a folded part's whole right after it.
-            assert_eq!(r.laid_out, 0, "{algorithm:?}");
-            (r.sums, r.folded, r.unfolded, r.placed, r.expected)
+            let c = r.counts;
+            assert_eq!(c.laid_out, 0, "{algorithm:?}");
+            (r.sums, c.folded, c.unfolded, c.placed, c.expected)
         };
         let (after, none, _, _, _) = run(false, false);
         let (arriving, folded, withdrawn, placed, expected) = run(true, false);
@@ -1343,13 +1336,14 @@ fn the_halves_of_a_pair_are_reduced_and_gathered_into_one_buffer() {
     let arriving = fold_run(2, len, algorithm, true, false);
     assert!(after.sums == arriving.sums, "the sums differ");
     assert!(after.sums[0] == after.sums[1]);
-    assert_eq!((after.placed, after.joined_in_place), (0, 0));
+    assert_eq!((after.counts.placed, after.joined_in_place), (0, 0));
     // Each rank folds the reduce-scatter's half into a buffer laid out for the whole, and
     // reads the allgather's half into the rest of it, where the peer's half arrives after
     // the ask: the result is that buffer, with nothing copied.
-    assert_eq!((arriving.folded, arriving.laid_out), (2, 2));
-    assert_eq!(arriving.expected, 2);
-    assert!(arriving.beside >= 1, "{} beside", arriving.beside);
-    assert_eq!(arriving.beside, arriving.placed);
-    assert_eq!(arriving.joined_in_place, arriving.beside);
+    let c = arriving.counts;
+    assert_eq!((c.folded, c.laid_out), (2, 2));
+    assert_eq!(c.expected, 2);
+    assert!(c.beside >= 1, "{} beside", c.beside);
+    assert_eq!(c.beside, c.placed);
+    assert_eq!(arriving.joined_in_place, c.beside);
 }

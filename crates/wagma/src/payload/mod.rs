@@ -148,13 +148,7 @@ impl Payload {
     pub fn into_placed(self) -> Result<(Vec<f32>, usize), Payload> {
         match self {
             Payload::Data(v) => Ok((v, 0)),
-            Payload::Shared(view) => match view.try_unwrap() {
-                Ok((mut v, r)) => {
-                    v.truncate(r.end);
-                    Ok((v, r.start))
-                }
-                Err(view) => Err(Payload::Shared(view)),
-            },
+            Payload::Shared(view) => view.try_unwrap().map_err(Payload::Shared),
             Payload::Size(_) => Err(self),
         }
     }
@@ -321,17 +315,15 @@ impl Reduce {
 /// it and covers most of it (a part laid out at the start of a whole, or the whole), else a
 /// copy.
 fn owned(view: SharedView) -> Vec<f32> {
-    if view.start() == 0 && 2 * view.len() >= view.buffer_len() {
+    let view = if view.start() == 0 && 2 * view.len() >= view.buffer_len() {
         match view.try_unwrap() {
-            Ok((mut v, r)) => {
-                v.truncate(r.end);
-                v
-            }
-            Err(view) => pool::copy_of(view.as_slice()),
+            Ok((v, _)) => return v,
+            Err(view) => view,
         }
     } else {
-        pool::copy_of(view.as_slice())
-    }
+        view
+    };
+    pool::copy_of(view.as_slice())
 }
 
 #[cfg(test)]

@@ -16,7 +16,8 @@ use super::{Payload, pool};
 ///
 /// Views only read it. A buffer laid out for a whole ([`Place`]) also has ranges that no view
 /// covers yet, the rest of the whole: a writer may claim such a range (one writer per range),
-/// fill it and make it a view in turn ([`Claim`]), while others read the ranges already viewed.
+/// fill it and make it a view in turn ([`Target::Claimed`]), while others read the ranges
+/// already viewed.
 pub struct SharedBuffer {
     /// A `Vec<f32>`'s parts: `len` initialized values at `ptr`, room for `cap`. Held as a
     /// pointer, not a vector: a view's `&[f32]` covers its range alone, never the whole, so a
@@ -30,8 +31,8 @@ pub struct SharedBuffer {
 
 // SAFETY: the buffer owns its values as a `Vec<f32>` does. Shared between threads, they are
 // read only through `SharedBuffer::slice` over the ranges of views and written only through a
-// `Claim`, over a range taken out of `free` under its lock: no view covers such a range, and
-// none is made over it before the claim is over (see `SharedView`).
+// `Target::Claimed`, over a range taken out of `free` under its lock: no view covers such a
+// range, and none is made over it before the claim is over (see `SharedView`).
 unsafe impl Send for SharedBuffer {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for SharedBuffer {}
@@ -164,12 +165,16 @@ impl SharedView {
         }
     }
 
-    /// The buffer's values (all of them, not only the view's) and where the view lies in
-    /// them, when this was its last holder; else the view back.
-    pub(super) fn try_unwrap(self) -> Result<(Vec<f32>, Range<usize>), SharedView> {
+    /// The buffer's values up to the view's end (what lies before the view too) and where
+    /// the view starts in them, when this was its last holder; else the view back.
+    pub(super) fn try_unwrap(self) -> Result<(Vec<f32>, usize), SharedView> {
         let SharedView { buf, range } = self;
         match Arc::try_unwrap(buf) {
-            Ok(b) => Ok((b.into_vec(), range)),
+            Ok(b) => {
+                let mut v = b.into_vec();
+                v.truncate(range.end);
+                Ok((v, range.start))
+            }
             Err(buf) => Err(SharedView { buf, range }),
         }
     }
@@ -250,6 +255,14 @@ impl WeakView {
 #[derive(Debug, Clone)]
 pub(super) struct Room(Weak<SharedBuffer>);
 
+/// What is left of `outer` around `range` (which lies within it): the ranges before and after,
+/// those not empty.
+fn around(range: &Range<usize>, outer: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    [outer.start..range.start, range.end..outer.end]
+        .into_iter()
+        .filter(|r| !r.is_empty())
+}
+
 /// Whether `range` is a range (not reversed) that lies within `free`.
 fn within(range: &Range<usize>, free: &Range<usize>) -> bool {
     free.start <= range.start && range.start <= range.end && range.end <= free.end
@@ -308,21 +321,11 @@ impl Place {
             let range = &self.range;
             let i = free.iter().position(|f| within(range, f))?;
             let f = free.swap_remove(i);
-            free.extend(
-                [f.start..range.start, range.end..f.end]
-                    .into_iter()
-                    .filter(|r| !r.is_empty()),
-            );
+            free.extend(around(range, f));
             drop(free);
-            Some(Claim {
-                buf,
-                range: range.clone(),
-            })
+            Some(Target::Claimed(buf, range.clone()))
         });
-        match claimed {
-            Some(c) => Target::Claimed(c),
-            None => self.fresh(),
-        }
+        claimed.unwrap_or_else(|| self.fresh())
     }
 
     /// A buffer of its own laid out for the whole, the part to be written at its range (the
@@ -333,26 +336,20 @@ impl Place {
     }
 }
 
-/// A range of a shared buffer taken out of its free ranges, to be written by one writer
-/// before any view covers it.
-pub(crate) struct Claim {
-    buf: Arc<SharedBuffer>,
-    range: Range<usize>,
-}
-
 /// Where a [`Place`] writes its part.
 pub(crate) enum Target {
     /// A buffer of its own (the part at the range).
     Fresh(Vec<f32>, Range<usize>),
-    /// A range claimed in a buffer laid out for the whole.
-    Claimed(Claim),
+    /// A range claimed in a buffer laid out for the whole: taken out of its free ranges, to
+    /// be written by this writer alone before any view covers it.
+    Claimed(Arc<SharedBuffer>, Range<usize>),
 }
 
 impl Target {
     /// Whether the part is written in a range claimed beside another.
     #[cfg(test)]
     pub fn is_claimed(&self) -> bool {
-        matches!(self, Target::Claimed(_))
+        matches!(self, Target::Claimed(..))
     }
 
     /// The part's values, to be overwritten in full.
@@ -362,8 +359,8 @@ impl Target {
             // SAFETY: the range is within the buffer's initialized values (free ranges are)
             // and was taken out of its free ranges: no view covers it, no other claim holds it,
             // and the only way to it is this `&mut` borrow of the claim.
-            Target::Claimed(c) => unsafe {
-                std::slice::from_raw_parts_mut(c.buf.ptr.as_ptr().add(c.range.start), c.range.len())
+            Target::Claimed(buf, r) => unsafe {
+                std::slice::from_raw_parts_mut(buf.ptr.as_ptr().add(r.start), r.len())
             },
         }
     }
@@ -373,13 +370,10 @@ impl Target {
     pub fn into_payload(self) -> Payload {
         let (buf, range) = match self {
             Target::Fresh(v, range) => {
-                let free = [0..range.start, range.end..v.len()]
-                    .into_iter()
-                    .filter(|r| !r.is_empty())
-                    .collect();
+                let free = around(&range, 0..v.len()).collect();
                 (Arc::new(SharedBuffer::new(v, free)), range)
             }
-            Target::Claimed(Claim { buf, range }) => (buf, range),
+            Target::Claimed(buf, range) => (buf, range),
         };
         Payload::Shared(SharedView { buf, range })
     }
@@ -415,7 +409,7 @@ mod tests {
             let (part, place) = halves(len, first.clone());
             let reader = part.clone();
             let mut t = place.target();
-            assert!(matches!(t, Target::Claimed(_)));
+            assert!(t.is_claimed());
             t.values().fill(2.0);
             let rest = t.into_payload();
             assert_eq!(reader.as_slice(), &vec![1.0; first.len()][..]);

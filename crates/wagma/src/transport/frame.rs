@@ -238,28 +238,39 @@ fn read_folded<R: Read>(
     scratch: &mut Vec<f32>,
     layout: Option<Place>,
 ) -> Result<Payload, TransportError> {
-    scratch.resize(FOLD_PIECE.min(own.len()), 0.0);
-    // Without a layout, reserved and not touched: a peer that announces much and sends
-    // little makes this reader write no more than it sent.
-    let mut laid_out = layout.map(|l| l.fresh());
-    let mut out = match laid_out {
-        Some(_) => Vec::new(),
-        None => pool::take(own.len()),
+    let whole = own.len();
+    let Some(layout) = layout else {
+        // Reserved, not touched: a peer that announces much and sends little makes this
+        // reader write no more than it sent.
+        let mut out = pool::take(whole);
+        read_pieces(r, own, scratch, |_, mine, theirs| {
+            op.extend_for(&mut out, mine, theirs, whole);
+        })?;
+        return Ok(Payload::Data(out));
     };
-    let mut at = 0;
-    for mine in own.chunks(FOLD_PIECE) {
+    let mut target = layout.fresh();
+    let out = target.values();
+    read_pieces(r, own, scratch, |at, mine, theirs| {
+        op.zip_into(&mut out[at..at + mine.len()], mine, theirs, whole);
+    })?;
+    Ok(target.into_payload())
+}
+
+/// Reads the payload piece by piece into `scratch` and hands each piece to `combine` with
+/// its offset and the part of `own` it goes with.
+fn read_pieces<R: Read>(
+    r: &mut R,
+    own: &[f32],
+    scratch: &mut Vec<f32>,
+    mut combine: impl FnMut(usize, &[f32], &[f32]),
+) -> Result<(), TransportError> {
+    scratch.resize(FOLD_PIECE.min(own.len()), 0.0);
+    for (i, mine) in own.chunks(FOLD_PIECE).enumerate() {
         let piece = &mut scratch[..mine.len()];
         exact(r, bytemuck::cast_slice_mut(piece))?;
-        match &mut laid_out {
-            Some(t) => op.zip_into(&mut t.values()[at..at + mine.len()], mine, piece, own.len()),
-            None => op.extend_for(&mut out, mine, piece, own.len()),
-        }
-        at += mine.len();
+        combine(i * FOLD_PIECE, mine, piece);
     }
-    Ok(match laid_out {
-        Some(t) => t.into_payload(),
-        None => Payload::Data(out),
-    })
+    Ok(())
 }
 
 /// `count` values read whole.

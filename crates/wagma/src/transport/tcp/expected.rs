@@ -13,7 +13,7 @@
 //! peer with its tag.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::Rank;
 use crate::transport::{Fold, Tag};
@@ -121,17 +121,11 @@ impl Expected {
         }
         if asked(&held).is_none() && to_come.is_some() {
             held.waiting = Some(*tag);
-            let until = Instant::now() + self.wait;
-            while held.waiting == Some(*tag) && asked(&held).is_none() {
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                held = match wake.wait_timeout(held, left) {
-                    Ok((held, _)) => held,
-                    Err(e) => e.into_inner().0,
-                };
-            }
+            let waits = |h: &mut Held| h.waiting == Some(*tag) && asked(h).is_none();
+            held = match wake.wait_timeout_while(held, self.wait, waits) {
+                Ok((held, _)) => held,
+                Err(e) => e.into_inner().0,
+            };
             held.waiting = None;
         }
         let i = asked(&held)?;
